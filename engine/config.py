@@ -1,0 +1,80 @@
+"""EngineConfig and TOML presets. Torch-free (the CLI in api/ builds it before any heavy import)."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scheduler.config import SchedulerConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # folder, .gguf file or cached HF id; None = embedded SmolLM2
+    served_model_name: str | None = None  # id in /v1/models; default: derived from model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+    num_kv_blocks: int | None = None  # explicit KV pool size; wins over kv_cache_memory
+    kv_cache_memory: int | None = None  # KV pool bytes; None = default for the device
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory the engine may use
+    num_threads: int | None = None  # torch CPU threads; None = all cores
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be auto, float32, bfloat16 or float16")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError("kv_cache_memory must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+def parse_memory(text: str | int) -> int:
+    """'4GiB', '512MiB', '2G', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().lower().removesuffix("b").removesuffix("i")
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    if s and s[-1] in units:
+        return int(float(s[:-1]) * units[s[-1]])
+    return int(float(s))
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path, or a preset name from configs/ ('default', 'tiny')."""
+    p = Path(name)
+    if p.exists():
+        return p
+    preset = CONFIG_DIR / (name if name.endswith(".toml") else f"{name}.toml")
+    if preset.exists():
+        return preset
+    raise FileNotFoundError(f"config not found: {name}")
+
+
+def load_config(path: str | Path, **overrides: Any) -> EngineConfig:
+    """Read a TOML preset ([engine] and [scheduler] tables); overrides win over the file."""
+    with open(resolve_config_path(str(path)), "rb") as f:
+        data = tomllib.load(f)
+    return make_config({**data.get("engine", {}), **data.get("scheduler", {}), **overrides})
+
+
+def make_config(options: dict[str, Any]) -> EngineConfig:
+    """Split a flat option dict into EngineConfig and SchedulerConfig fields (None = default)."""
+    opts = {k: v for k, v in options.items() if v is not None}
+    if "kv_cache_memory" in opts:
+        opts["kv_cache_memory"] = parse_memory(opts["kv_cache_memory"])
+    sched_names = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    eng_names = {f.name for f in dataclasses.fields(EngineConfig)} - {"scheduler"}
+    unknown = set(opts) - sched_names - eng_names
+    if unknown:
+        raise ValueError(f"unknown config option(s): {', '.join(sorted(unknown))}")
+    sched = SchedulerConfig(**{k: v for k, v in opts.items() if k in sched_names})
+    return EngineConfig(scheduler=sched, **{k: v for k, v in opts.items() if k in eng_names})

@@ -1,0 +1,46 @@
+"""What the engine hands back per request per step. Pure data, no torch: api/ imports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    token_id: int
+    token: str  # the token's own text (as the tokenizer spells it, decoded to a str)
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprob of one chosen token (sampled or from the prompt) and the top-N alternatives."""
+
+    chosen: Logprob
+    rank: int  # 1 = the most likely token
+    top: tuple[Logprob, ...]  # best first; empty when N = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One step's delta for one request. Deltas concatenate to the full answer."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per new token when asked
+    # Sent once, with the first delta, when prompt_logprobs was asked: one per prompt token,
+    # the first is None (nothing predicts the first token).
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None  # sent once, with the first delta
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduling (final delta)
+    error: str | None = None  # set when the engine failed this request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

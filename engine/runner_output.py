@@ -1,0 +1,33 @@
+"""What ModelRunner.execute() returns for one step: token ids and logprobs, no text.
+
+Torch-free plain data; the engine turns ids into text (engine/outputs.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobIds:
+    """Logprob of one chosen token plus the top-N alternatives, ids only.
+
+    Logprobs are of the model's raw distribution (log_softmax of the logits before
+    temperature, penalties or truncation), as vLLM and OpenAI report them."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_ids: tuple[int, ...] = ()  # best first
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    # seq_id -> the token sampled this step (only sequences that reached their end this step)
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # seq_id -> logprobs of the sampled token (only when params.logprobs is not None)
+    logprobs: dict[str, TokenLogprobIds] = field(default_factory=dict)
+    # seq_id -> logprobs of the prompt tokens predicted by this step's positions, in order:
+    # position p (< num_prompt_tokens - 1) yields the logprob of prompt token p + 1
+    # (only when params.prompt_logprobs is not None)
+    prompt_logprobs: dict[str, list[TokenLogprobIds]] = field(default_factory=dict)

@@ -1,0 +1,35 @@
+"""SchedulerConfig: the batching limits. The KV pool size is not here: the engine learns it
+only after loading the model, so it is passed to the Scheduler separately."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int = 2048  # prompt + output tokens of one sequence
+    block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True
+    # One sequence may take at most this many tokens of a step's budget, so a long prompt
+    # cannot starve the others (vLLM's long_prefill_token_threshold). 0 = max_num_batched_tokens.
+    long_prefill_token_threshold: int = 0
+    # Bounded waiting queue (0 = unbounded); beyond it add() raises QueueFullError.
+    max_num_queued_reqs: int = 0
+    max_num_queued_tokens: int = 0
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError("policy must be 'fcfs' or 'priority'")
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        t = self.long_prefill_token_threshold
+        return min(t, self.max_num_batched_tokens) if t > 0 else self.max_num_batched_tokens
