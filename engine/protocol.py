@@ -47,8 +47,17 @@ class EngineStats:
 class EngineClient(Protocol):
     """What the HTTP layer needs from an engine."""
 
-    model_name: str  # the id served in /v1/models
-    max_model_len: int
+    model_name: str  # the id served in /v1/models (known before the model is loaded)
+    max_model_len: int  # valid once is_ready()
+
+    async def start(self) -> None:
+        """Load the model and start the step loop. The app's lifespan runs this as a
+        background task, so the server answers /health with 503 while loading."""
+        ...
+
+    async def shutdown(self) -> None:
+        """Stop the loop; every unfinished request ends with finish_reason "abort"."""
+        ...
 
     def generate(
         self,
