@@ -1,0 +1,20 @@
+# Two commands on a fresh machine:  make serve   |   make test
+# (each creates .venv/ first if needed, via scripts/install.sh)
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test test-fast install bench
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve serve $(ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	bash scripts/install.sh
+	touch $(STAMP)

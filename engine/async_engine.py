@@ -1,0 +1,237 @@
+"""AsyncEngine: the LLMEngine on its own thread, spoken to from asyncio (the EngineClient).
+
+One engine thread runs "drain inbox -> step()" forever. Requests and aborts reach it through
+a thread-safe inbox; each request's deltas come back to the event loop on its own
+asyncio.Queue (delivered with one call_soon_threadsafe per step). A request whose consumer
+goes away (client disconnect closes the async generator) is aborted in `finally`, so its KV
+blocks are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.protocol import EngineDeadError, EngineStats
+from engine.tokenizer import Tokenizer
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedserve.engine")
+
+STUCK_AFTER_S = 120.0  # a step running longer than this makes /health fail
+MAX_CONSECUTIVE_FAILURES = 3  # then the engine is declared dead
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    out: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, engine: LLMEngine | None = None) -> None:
+        self.config = config
+        self.engine = engine if engine is not None else LLMEngine(config)
+        self.model_name = config.served_model_name or default_model_name(config.model)
+        self.max_model_len = config.scheduler.max_model_len
+        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._tokenizer: Tokenizer | None = None  # a copy for the event-loop thread
+        self._stats = EngineStats()
+        self._ready = False
+        self._dead: str | None = None
+        self._busy_since: float | None = None
+        self._ids = itertools.count()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        try:
+            await asyncio.to_thread(self.engine.load)
+        except Exception as e:
+            self._dead = f"model failed to load: {e}"
+            logger.exception("model failed to load")
+            raise
+        tok = self.engine.tokenizer
+        # HF fast tokenizers are not safe to share across threads: the API gets its own.
+        self._tokenizer = Tokenizer(copy.deepcopy(tok.hf), tok.eos_token_ids)
+        self.max_model_len = self.engine.max_model_len
+        self._stats = self.engine.stats()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+        self._ready = True
+        logger.info("engine ready: %s", self.model_name)
+
+    async def shutdown(self) -> None:
+        self._ready = False
+        if self._thread is not None:
+            self._inbox.put(None)
+            await asyncio.to_thread(self._thread.join, 30)
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError("server shutting down"))
+
+    def is_ready(self) -> bool:
+        if not self._ready or self._dead or self._thread is None or not self._thread.is_alive():
+            return False
+        busy = self._busy_since
+        return busy is None or time.monotonic() - busy < STUCK_AFTER_S
+
+    # ---- requests (event-loop side) -------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        self._check_alive()
+        out: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = out
+        self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic(), out))
+        finished = False
+        try:
+            while not finished:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def _check_alive(self) -> None:
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        if not self._ready:
+            raise EngineDeadError("the engine is not ready (model still loading)")
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        return self._tok.apply_chat_template(messages, add_generation_prompt)
+
+    @property
+    def _tok(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise EngineDeadError("the engine is not ready (model still loading)")
+        return self._tokenizer
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            if not self._drain_inbox(block=not self.engine.has_unfinished()):
+                break
+            self._busy_since = time.monotonic()
+            try:
+                outputs = self.engine.step()
+                failures = 0
+            except Exception as e:  # a failed step fails its requests, the server stays up
+                failures += 1
+                outputs = []
+                self._fail_all(e, failures)
+            finally:
+                self._busy_since = None
+            self._stats = self.engine.stats()
+            if outputs:
+                self._deliver(outputs)
+        for request_id in list(self.engine.requests):  # shutting down: free everything
+            self.engine.abort_request(request_id)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds/aborts; when idle, wait for work. False = shut down."""
+        try:
+            cmd = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is None:
+                return False
+            self._apply(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            final = self.engine.abort_request(cmd.request_id)
+            if final is not None:
+                self._deliver([final])
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
+                                    cmd.arrival_time)
+        except Exception as e:  # PromptTooLongError, QueueFullError, ValueError -> the caller
+            self._send(cmd.out, e)
+
+    def _fail_all(self, error: Exception, failures: int) -> None:
+        logger.error("engine step failed (%d in a row): %s", failures,
+                     "".join(traceback.format_exception(error)))
+        if failures >= MAX_CONSECUTIVE_FAILURES:
+            self._dead = f"engine loop died: {error}"
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            q = self._queues.get(request_id)
+            if q is not None:
+                self._send(q, RuntimeError(f"engine step failed: {error}"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for o in outputs:
+            q = self._queues.get(o.request_id)
+            if q is not None:
+                q.put_nowait(o)
+
+    def _send(self, q: asyncio.Queue[RequestOutput | BaseException], item: BaseException) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+
+def default_model_name(model: str | None) -> str:
+    """The id served in /v1/models when --served-model-name is not given."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    p = Path(model)
+    return p.stem if p.suffix == ".gguf" else (p.name if p.exists() else model)

@@ -1,0 +1,86 @@
+"""LLM: offline batch generation from Python, on the same engine the server uses.
+
+    from engine.llm import LLM
+    from scheduler import SamplingParams
+    llm = LLM()                                   # the embedded SmolLM2, dtype auto
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig, make_config
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput, TokenLogprobs
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Completion:
+    """The whole result of one prompt (deltas concatenated)."""
+
+    request_id: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        if out.prompt_token_ids is not None:
+            self.prompt_token_ids = list(out.prompt_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = list(out.prompt_logprobs)
+        self.token_ids.extend(out.new_token_ids)
+        self.text += out.new_text
+        self.logprobs.extend(out.logprobs or ())
+        self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        self.num_cached_tokens = out.num_cached_tokens
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
+        """Either a ready EngineConfig or flat options (model=..., dtype=..., num_kv_blocks=...)."""
+        self.engine = LLMEngine(config if config is not None else make_config(options))
+        self.engine.load()
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[Completion]:
+        """Run every prompt to completion (continuous batching), results in prompt order."""
+        plist = _broadcast(params, len(prompts))
+        results: dict[str, Completion] = {}
+        for prompt, p in zip(prompts, plist):
+            rid = f"offline-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(rid, prompt, p)
+            results[rid] = Completion(rid)
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                results[out.request_id].add(out)
+                bar.update(int(out.finished))
+        bar.close()
+        return list(results.values())
+
+
+def _broadcast(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return list(params)

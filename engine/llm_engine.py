@@ -1,0 +1,206 @@
+"""LLMEngine: the synchronous core. One step = schedule() -> runner.execute() -> postprocess(),
+then per-request deltas (new token ids, text, logprobs, finish reason).
+
+Single-threaded by contract: AsyncEngine calls every method from its one engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import Logprob, RequestOutput, TokenLogprobs
+from engine.protocol import EngineStats
+from engine.runner_output import RunnerOutput, TokenLogprobIds
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler.output import SchedulerOutput
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("pagedserve.engine")
+
+
+@dataclass(slots=True)
+class _Request:
+    """Engine-side state of one request: what has been sent, text, prompt logprobs."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    num_sent_tokens: int = 0
+    sent_first: bool = False
+    prompt_logprobs: list[TokenLogprobIds] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        self.config = config
+        self.runner = runner if runner is not None else ModelRunner(config)
+        self.requests: dict[str, _Request] = {}
+        self.num_steps = 0
+        self._tokenizer: Tokenizer | None = None
+        self._scheduler: Scheduler | None = None
+
+    def load(self) -> None:
+        """Load the model, size the KV pool and build the scheduler around it."""
+        self.runner.load()
+        r = self.runner
+        self._tokenizer = Tokenizer(r.tokenizer, r.eos_token_ids)
+        sched_cfg = replace(self.config.scheduler, max_model_len=r.max_model_len,
+                            block_size=r.block_size)
+        self._scheduler = Scheduler(sched_cfg, r.num_kv_blocks, r.eos_token_ids)
+        logger.info("KV cache: %d blocks x %d tokens = %d token slots; max_model_len %d",
+                    r.num_kv_blocks, r.block_size, r.num_kv_blocks * r.block_size,
+                    r.max_model_len)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self._tokenizer is not None, "load() first"
+        return self._tokenizer
+
+    @property
+    def scheduler(self) -> Scheduler:
+        assert self._scheduler is not None, "load() first"
+        return self._scheduler
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises PromptTooLongError / QueueFullError / ValueError."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_token_ids(ids)
+        seq = Sequence(request_id, ids, params, priority, arrival_time)
+        self.scheduler.add(seq)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params)
+        self.requests[request_id] = _Request(seq, detok)
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.runner.vocab_size
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort in any state; returns the final (abort) delta, None if unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        self.runner.release([request_id])
+        return self._final(req, "", None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        result = self.runner.execute(batch)
+        self._collect_prompt_logprobs(batch, result)
+        updated = self.scheduler.postprocess(batch, result.sampled_token_ids)
+        self.num_steps += 1
+        outputs = [self._make_output(seq, result) for seq in updated]
+        return [o for o in outputs if o is not None]
+
+    def _collect_prompt_logprobs(self, batch: SchedulerOutput, result: RunnerOutput) -> None:
+        for seq in batch.seqs:
+            req = self.requests.get(seq.seq_id)
+            chunk = result.prompt_logprobs.get(seq.seq_id)
+            if req is None or chunk is None or req.sent_first:
+                continue
+            if seq.num_computed_tokens == 0:  # (re)computing from the start: drop a partial list
+                req.prompt_logprobs.clear()
+            req.prompt_logprobs.extend(chunk)
+
+    def _make_output(self, seq: Sequence, result: RunnerOutput) -> RequestOutput | None:
+        req = self.requests.get(seq.seq_id)
+        if req is None:
+            return None
+        new_ids = seq.output_token_ids[req.num_sent_tokens:]
+        text, stop_str = req.detok.step(self._text_ids(seq, new_ids))
+        if stop_str is not None and not seq.is_finished:
+            self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, stop_str)
+        elif stop_str is not None:  # finished by length in the same step: the stop string wins
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
+        logprobs = self._sampled_logprobs(seq, result, len(new_ids))
+        req.num_sent_tokens += len(new_ids)
+        if seq.is_finished:
+            tail = "" if stop_str is not None else req.detok.flush()
+            del self.requests[seq.seq_id]
+            self.runner.release([seq.seq_id])
+            return self._final(req, text + tail, logprobs, tuple(new_ids))
+        return self._delta(req, tuple(new_ids), text, logprobs)
+
+    def _text_ids(self, seq: Sequence, new_ids: list[int]) -> list[int]:
+        """Ids fed to the detokenizer: a stop *token* is not part of the text (as vLLM)."""
+        stopped_by_id = (seq.status == SequenceStatus.FINISHED_STOPPED
+                         and isinstance(seq.stop_reason, int))
+        if stopped_by_id and new_ids and not seq.params.include_stop_str_in_output:
+            return new_ids[:-1]
+        return new_ids
+
+    def _sampled_logprobs(self, seq: Sequence, result: RunnerOutput,
+                          num_new: int) -> tuple[TokenLogprobs, ...] | None:
+        if seq.params.logprobs is None or num_new == 0:
+            return None
+        lp = result.logprobs.get(seq.seq_id)
+        return (self._to_logprobs(lp),) if lp is not None else None
+
+    def _to_logprobs(self, lp: TokenLogprobIds) -> TokenLogprobs:
+        text = self.tokenizer.token_text
+        top = tuple(Logprob(t, text(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs))
+        return TokenLogprobs(Logprob(lp.token_id, text(lp.token_id), lp.logprob), lp.rank, top)
+
+    def _delta(self, req: _Request, new_ids: tuple[int, ...], text: str,
+               logprobs: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
+        seq = req.seq
+        first = not req.sent_first
+        req.sent_first = True
+        return RequestOutput(
+            request_id=seq.seq_id, new_token_ids=new_ids, new_text=text, logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(req) if first else None,
+            prompt_token_ids=tuple(seq.prompt_token_ids) if first else None,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens)
+
+    def _final(self, req: _Request, text: str, logprobs: tuple[TokenLogprobs, ...] | None,
+               new_ids: tuple[int, ...] = ()) -> RequestOutput:
+        seq = req.seq
+        if not seq.is_finished:
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        base = self._delta(req, new_ids, text, logprobs)
+        queue_time = (None if seq.first_scheduled_time is None
+                      else seq.first_scheduled_time - seq.arrival_time)
+        return replace(base, finish_reason=seq.status.finish_reason,
+                       stop_reason=seq.stop_reason, queue_time=queue_time)
+
+    def _prompt_logprobs(self, req: _Request) -> tuple[TokenLogprobs | None, ...] | None:
+        if req.seq.params.prompt_logprobs is None:
+            return None
+        rest = tuple(self._to_logprobs(lp) for lp in req.prompt_logprobs)
+        return (None, *rest)
+
+    # ---- stats ----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        bm = s.block_manager
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
+            num_preemptions=s.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, num_steps=self.num_steps)
