@@ -36,7 +36,10 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        """`runner`: an already-loaded ModelRunner to share (tests, benchmarks); the
+        scheduler then uses config.num_kv_blocks of its pool when that is smaller."""
         self.config = config
+        self._owns_runner = runner is None
         self.runner = runner if runner is not None else ModelRunner(config)
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0
@@ -45,15 +48,16 @@ class LLMEngine:
 
     def load(self) -> None:
         """Load the model, size the KV pool and build the scheduler around it."""
-        self.runner.load()
+        if self._owns_runner:
+            self.runner.load()
         r = self.runner
         self._tokenizer = Tokenizer(r.tokenizer, r.eos_token_ids)
-        sched_cfg = replace(self.config.scheduler, max_model_len=r.max_model_len,
-                            block_size=r.block_size)
-        self._scheduler = Scheduler(sched_cfg, r.num_kv_blocks, r.eos_token_ids)
+        max_len = min(self.config.scheduler.max_model_len, r.max_model_len)
+        sched_cfg = replace(self.config.scheduler, max_model_len=max_len, block_size=r.block_size)
+        num_blocks = min(self.config.num_kv_blocks or r.num_kv_blocks, r.num_kv_blocks)
+        self._scheduler = Scheduler(sched_cfg, num_blocks, r.eos_token_ids)
         logger.info("KV cache: %d blocks x %d tokens = %d token slots; max_model_len %d",
-                    r.num_kv_blocks, r.block_size, r.num_kv_blocks * r.block_size,
-                    r.max_model_len)
+                    num_blocks, r.block_size, num_blocks * r.block_size, max_len)
 
     @property
     def tokenizer(self) -> Tokenizer:
