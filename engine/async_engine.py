@@ -199,6 +199,10 @@ class AsyncEngine:
                                     cmd.arrival_time)
         except Exception as e:  # PromptTooLongError, QueueFullError, ValueError -> the caller
             self._send(cmd.out, e)
+            return
+        # An empty delta says "accepted": the API can start the response (and learn of
+        # admission errors) without waiting for the first token.
+        self._deliver([RequestOutput(cmd.request_id, (), "")])
 
     def _fail_all(self, error: Exception, failures: int) -> None:
         logger.error("engine step failed (%d in a row): %s", failures,

@@ -71,7 +71,8 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.scheduler.config.max_model_len
+        """Longest sequence (prompt + output) servable: the model's or the KV pool's limit."""
+        return self.scheduler.max_len
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -190,7 +191,14 @@ class LLMEngine:
         queue_time = (None if seq.first_scheduled_time is None
                       else seq.first_scheduled_time - seq.arrival_time)
         return replace(base, finish_reason=seq.status.finish_reason,
-                       stop_reason=seq.stop_reason, queue_time=queue_time)
+                       stop_reason=self._stop_reason(seq), queue_time=queue_time)
+
+    def _stop_reason(self, seq: Sequence) -> int | str | None:
+        """As vLLM: None for EOS, the token id for a stop_token_ids hit, or the stop string."""
+        r = seq.stop_reason
+        if isinstance(r, int) and r not in seq.params.stop_token_ids:
+            return None
+        return r
 
     def _prompt_logprobs(self, req: _Request) -> tuple[TokenLogprobs | None, ...] | None:
         if req.seq.params.prompt_logprobs is None:

@@ -1,4 +1,4 @@
-"""BlockManager: the KV block pool, per-sequence block tables and automatic prefix caching.
+r"""BlockManager: the KV block pool, per-sequence block tables and automatic prefix caching.
 
 Blocks, slots and computed tokens (block_size = 4, one sequence of 10 tokens, 7 computed):
 
@@ -190,13 +190,7 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError with details if the pool's bookkeeping is inconsistent."""
-        refs = [0] * self.num_blocks
-        for seq in self._owners.values():
-            assert seq.block_table, f"owner {seq!r} holds no blocks"
-            assert len(set(seq.block_table)) == len(seq.block_table), f"repeated block: {seq!r}"
-            assert len(seq.block_hashes) <= len(seq.block_table), f"hashes > blocks: {seq!r}"
-            for block_id in seq.block_table:
-                refs[block_id] += 1
+        refs = self._count_refs()
         for block in self.blocks:
             assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, "
@@ -212,3 +206,14 @@ class BlockManager:
         used = sum(1 for b in self.blocks if b.ref_count > 0)
         assert used + len(self._free) == self.num_blocks, (
             f"free {len(self._free)} + used {used} != total {self.num_blocks}")
+
+    def _count_refs(self) -> list[int]:
+        """How many block tables hold each block, checking each table on the way."""
+        refs = [0] * self.num_blocks
+        for seq in self._owners.values():
+            assert seq.block_table, f"owner {seq!r} holds no blocks"
+            assert len(set(seq.block_table)) == len(seq.block_table), f"repeated block: {seq!r}"
+            assert len(seq.block_hashes) <= len(seq.block_table), f"hashes > blocks: {seq!r}"
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        return refs

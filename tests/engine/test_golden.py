@@ -177,9 +177,11 @@ def test_tiny_models_match_hf(arch: str, request: pytest.FixtureRequest) -> None
                for i, n in enumerate(torch.randint(3, 40, (8,), generator=gen))}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for sched in ({"max_num_batched_tokens": 256}, {"max_num_batched_tokens": 8},
-                  {"max_num_batched_tokens": 256, "num_kv_blocks": 12}):
+                  {"max_num_batched_tokens": 256, "num_kv_blocks": 20}):
         engine = make_engine(runner, **sched)  # type: ignore[arg-type]
         ours = run(engine, prompts, params)
         for rid, ids in prompts.items():
             assert len(ours[rid]) == 12
             within_top2(hf, ids, ours[rid])
+        if "num_kv_blocks" in sched:
+            assert engine.stats().num_preemptions > 0

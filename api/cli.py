@@ -1,0 +1,122 @@
+"""`pagedserve serve ...`: build the engine from a TOML preset plus flags, serve it with uvicorn.
+
+Flags are named like vLLM's. Engine flags default to None, meaning "whatever the --config
+preset says" (and the built-in default where the preset is silent); the engine is imported
+inside main() so that importing api.* never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from api.state import DEFAULT_MAX_BODY_BYTES
+
+logger = logging.getLogger("pagedserve")
+
+PRESET = "default: from the --config preset"
+
+# flag -> (EngineConfig/SchedulerConfig field, type, help). None defaults defer to the preset.
+ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--model": ("model", str, ("model folder (safetensors), GGUF file or cached HF id "
+                               "(default: the embedded SmolLM2-135M-Instruct)")),
+    "--served-model-name": ("served_model_name", str,
+                            "model id in /v1/models and responses (default: from --model)"),
+    "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16 (default: auto)"),
+    "--device": ("device", str, "auto | cpu | cuda | cuda:N (default: auto)"),
+    "--block-size": ("block_size", int, f"tokens per KV block ({PRESET}, else 16)"),
+    "--num-kv-blocks": ("num_kv_blocks", int,
+                        ("KV pool size in blocks; wins over --kv-cache-memory (default: sized "
+                         "from memory)")),
+    "--kv-cache-memory": ("kv_cache_memory", str,
+                          f"KV pool size in bytes, e.g. 2GiB ({PRESET}, 1GiB in default)"),
+    "--gpu-memory-utilization": ("gpu_memory_utilization", float,
+                                 "CUDA: fraction of GPU memory the engine may use (default 0.9)"),
+    "--max-num-seqs": ("max_num_seqs", int, f"sequences per step ({PRESET}, else 64)"),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int,
+                                 f"token budget of one step ({PRESET}, else 2048)"),
+    "--max-model-len": ("max_model_len", int,
+                        f"prompt + output tokens per sequence ({PRESET}, else 2048)"),
+    "--long-prefill-token-threshold": ("long_prefill_token_threshold", int,
+                                       (f"max tokens one prefill may take per step, 0 = no cap "
+                                        f"({PRESET}, else 0)")),
+    "--max-num-queued-reqs": ("max_num_queued_reqs", int,
+                              "waiting requests before 429, 0 = unbounded (default 0)"),
+    "--max-num-queued-tokens": ("max_num_queued_tokens", int,
+                                "waiting prompt tokens before 429, 0 = unbounded (default 0)"),
+    "--scheduling-policy": ("policy", str, "fcfs | priority (default: fcfs)"),
+    "--seed": ("seed", int, "engine random seed (default 0)"),
+    "--num-threads": ("num_threads", int, "torch CPU threads (default: all cores)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedserve", description="OpenAI-compatible LLM server: continuous batching "
+        "over a paged KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve}")
+    serve = sub.add_parser("serve", help="serve a model over HTTP (run `pagedserve serve --help`)",
+                           description="Serve a model with the OpenAI API (/v1/completions, "
+                           "/v1/chat/completions, /v1/models, /health, /metrics).")
+    _add_serve_flags(serve)
+    # `pagedserve --help` shows the serve flags too: there is only one subcommand.
+    parser.epilog = serve.format_help()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    return parser
+
+
+def _add_serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="default",
+                   help="TOML preset name in configs/ or a path; flags override it "
+                   "(default: default)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: none)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"], help="(default: info)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body accepted (default: {DEFAULT_MAX_BODY_BYTES})")
+    for flag, (_, kind, help_) in ENGINE_FLAGS.items():
+        extra: dict[str, Any] = {}
+        if flag == "--scheduling-policy":
+            extra["choices"] = ["fcfs", "priority"]
+        if flag == "--dtype":
+            extra["choices"] = ["auto", "float32", "bfloat16", "float16"]
+        p.add_argument(flag, type=kind, default=None, help=help_, **extra)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=None, help=f"reuse KV blocks of shared prompt prefixes ({PRESET}, "
+                   "else on)")
+
+
+def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given on the command line, as EngineConfig/SchedulerConfig fields."""
+    overrides = {field: getattr(args, flag[2:].replace("-", "_"))
+                 for flag, (field, _, _) in ENGINE_FLAGS.items()}
+    overrides["enable_prefix_caching"] = args.enable_prefix_caching
+    return {k: v for k, v in overrides.items() if v is not None}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(args)
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from api.app import create_app
+    from engine.async_engine import AsyncEngine  # torch loads here, not at import
+    from engine.config import load_config
+
+    config = load_config(args.config, **config_overrides(args))
+    engine = AsyncEngine(config)
+    app = create_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
+                     max_body_bytes=args.max_body_bytes)
+    logger.info("serving %s at http://%s:%d/v1 (loading the model in the background; "
+                "/health answers 200 once ready)", engine.model_name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -1,0 +1,84 @@
+"""The /v1/completions request: JSON body -> CompletionRequest (types checked, nothing run)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from api.errors import bad_request
+from api.params import INT64_MAX, check_int, get_bool, get_int, get_str, warn_unknown
+from api.sampling import (
+    MAX_LOGPROBS,
+    SAMPLING_FIELDS,
+    SamplingArgs,
+    check_max_tokens,
+    parse_sampling,
+    parse_stream_options,
+)
+
+MAX_CHOICES = 256  # prompts x n in one request
+
+COMPLETION_FIELDS: dict[str, str] = {
+    **SAMPLING_FIELDS, "prompt": "string|array", "echo": "boolean", "logprobs": "integer",
+    "best_of": "integer", "suffix": "string",
+}
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    model: str | None
+    prompts: list[Prompt]  # each becomes a group of n choices
+    sampling: SamplingArgs
+    echo: bool
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    warn_unknown(body, COMPLETION_FIELDS, "/v1/completions")
+    if "prompt" not in body:
+        raise bad_request("prompt is required", param="prompt")
+    prompts = parse_prompt(body["prompt"])
+    echo = get_bool(body, "echo", False)
+    # Absent: 16 (OpenAI's default); null: as many as the context allows (vLLM).
+    max_tokens = get_int(body, "max_tokens", None, lo=0) if "max_tokens" in body else 16
+    check_max_tokens(max_tokens, allow_zero=echo)
+    sampling = parse_sampling(body, max_tokens)
+    _check_unsupported(body, sampling.n)
+    if len(prompts) * sampling.n > MAX_CHOICES:
+        raise bad_request(f"prompts x n must be at most {MAX_CHOICES}", param="n")
+    stream = get_bool(body, "stream", False)
+    return CompletionRequest(
+        model=get_str(body, "model"), prompts=prompts, sampling=sampling, echo=echo,
+        logprobs=get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS), stream=stream,
+        include_usage=parse_stream_options(body, stream),
+    )
+
+
+def parse_prompt(value: Any) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids "
+                          "or a list of token-id lists, and not empty", param="prompt")
+    if all(isinstance(p, str) for p in value):
+        return list(value)
+    if all(isinstance(p, list) for p in value):
+        return [_token_ids(p) for p in value]
+    return [_token_ids(value)]
+
+
+def _token_ids(value: list[Any]) -> list[int]:
+    return [check_int(t, "prompt", 0, INT64_MAX) for t in value]
+
+
+def _check_unsupported(body: dict[str, Any], n: int) -> None:
+    if body.get("suffix") is not None:
+        raise bad_request("suffix is not supported", param="suffix")
+    best_of = get_int(body, "best_of", None, lo=1)
+    if best_of is not None and best_of != n:
+        raise bad_request("best_of is not supported unless it equals n", param="best_of")

@@ -1,0 +1,84 @@
+"""The small routes: /v1/models, /health, /metrics, /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from api.chat import render_chat
+from api.errors import bad_request, not_ready
+from api.params import INT64_MAX, get_bool, get_int_list, get_str, read_json, warn_unknown
+from api.protocol_chat import parse_messages
+from api.state import AppState, now, tokenize_text
+
+TOKENIZE_FIELDS = {"model": "string", "prompt": "string", "messages": "array",
+                   "add_special_tokens": "boolean", "add_generation_prompt": "boolean"}
+DETOKENIZE_FIELDS = {"model": "string", "tokens": "array"}
+
+
+async def list_models(request: Request) -> Response:
+    app = AppState.of(request)
+    engine = app.engine
+    card = {"id": app.served_model_name, "object": "model", "created": now(),
+            "owned_by": "pagedserve", "root": engine.model_name, "parent": None,
+            "max_model_len": engine.max_model_len if engine.is_ready() else None}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+async def health(request: Request) -> Response:
+    if not AppState.of(request).engine.is_ready():
+        return not_ready().response()
+    return Response(status_code=200)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(AppState.of(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def tokenize(request: Request) -> Response:
+    app = AppState.of(request)
+    body = await read_json(request, app.max_body_bytes)
+    warn_unknown(body, TOKENIZE_FIELDS, "/tokenize")
+    app.check_model(get_str(body, "model"))
+    app.check_ready()
+    tokens = _tokens_of(app, body)
+    return JSONResponse({"count": len(tokens), "max_model_len": app.engine.max_model_len,
+                         "tokens": tokens})
+
+
+def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
+    """`prompt` (special tokens added by default) or `messages` (through the chat template,
+    which has its own special tokens: none added by default), as vLLM does."""
+    if ("prompt" in body) == ("messages" in body):
+        raise bad_request("give exactly one of prompt or messages", param="prompt")
+    if "prompt" in body:
+        prompt = get_str(body, "prompt")
+        if prompt is None:
+            raise bad_request("prompt must be a string", param="prompt")
+        return tokenize_text(app.engine, prompt, get_bool(body, "add_special_tokens", True),
+                             "prompt")
+    messages = parse_messages(body["messages"])
+    if get_bool(body, "add_special_tokens", False):
+        text = app.engine.apply_chat_template(
+            messages, add_generation_prompt=get_bool(body, "add_generation_prompt", True))
+        return tokenize_text(app.engine, text, True, "messages")
+    return render_chat(app.engine, messages, get_bool(body, "add_generation_prompt", True))
+
+
+async def detokenize(request: Request) -> Response:
+    app = AppState.of(request)
+    body = await read_json(request, app.max_body_bytes)
+    warn_unknown(body, DETOKENIZE_FIELDS, "/detokenize")
+    app.check_model(get_str(body, "model"))
+    tokens = get_int_list(body, "tokens", 0, INT64_MAX)
+    if tokens is None:
+        raise bad_request("tokens is required", param="tokens")
+    app.check_ready()
+    try:
+        text = app.engine.detokenize(tokens)
+    except (ValueError, IndexError, OverflowError, TypeError) as e:
+        raise bad_request(f"tokens contains invalid token ids: {e}", param="tokens") from None
+    return JSONResponse({"prompt": text})

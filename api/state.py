@@ -1,0 +1,64 @@
+"""AppState: what the routes share, kept on app.state (no module globals)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+
+from api.errors import APIError, bad_request, from_engine_error, not_ready
+from api.metrics import ServerMetrics
+from engine.protocol import EngineClient, EngineDeadError
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class AppState:
+    engine: EngineClient
+    metrics: ServerMetrics
+    served_model_name: str
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    @staticmethod
+    def of(request: Request) -> AppState:
+        return AppState.of_app(request.app)
+
+    @staticmethod
+    def of_app(app: Starlette) -> AppState:
+        state = app.state.pagedserve
+        assert isinstance(state, AppState)
+        return state
+
+    def check_model(self, model: str | None) -> None:
+        """A missing model means the served one (vLLM); any other name is a 404."""
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+
+    def check_ready(self) -> None:
+        if not self.engine.is_ready():
+            raise not_ready()
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def tokenize_text(engine: EngineClient, text: str, add_special_tokens: bool,
+                  param: str) -> list[int]:
+    """engine.tokenize, with a text the tokenizer refuses (e.g. a lone UTF-16 surrogate,
+    which JSON allows) answered as a 400 instead of a 500."""
+    try:
+        return engine.tokenize(text, add_special_tokens=add_special_tokens)
+    except EngineDeadError as e:
+        raise from_engine_error(e) from None
+    except Exception as e:  # noqa: BLE001 - tokenizers raise various types on bad text
+        raise bad_request(f"{param} cannot be tokenized: {e}", param=param) from None

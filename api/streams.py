@@ -1,0 +1,160 @@
+"""Fan-out of one HTTP request into engine requests, and fan-in of their deltas.
+
+n > 1 and multiple prompts become several engine requests that run concurrently: one asyncio
+task per engine stream pumps deltas into a shared queue, so the client sees them interleaved
+as the engine produces them. `close()` (always reached through `finally`) cancels the pumps
+and aborts every engine request that has not finished, which is how a client disconnect
+frees KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import anyio
+from starlette.types import Receive
+
+from api.errors import APIError, from_engine_error
+from api.metrics import RequestTracker, ServerMetrics
+from engine.outputs import RequestOutput
+from engine.protocol import EngineClient, SamplingParams
+
+T = TypeVar("T")
+
+# An item on the merge queue: (choice index, a delta | the error that ended it | None = ended).
+_Item = tuple[int, RequestOutput | BaseException | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One engine request: one choice of the HTTP response."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int
+    tracker: RequestTracker
+
+
+class MergedStream:
+    """The deltas of several engine requests, merged in arrival order."""
+
+    def __init__(self, engine: EngineClient, jobs: list[Job]) -> None:
+        self.engine = engine
+        self._jobs = jobs
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._buffer: list[_Item] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._finished: set[int] = set()
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start every engine request and wait for each one's first delta, so an admission
+        error (prompt too long, queue full, engine dead) becomes the HTTP status."""
+        self._tasks = [asyncio.create_task(self._pump(i, job)) for i, job in enumerate(self._jobs)]
+        waiting = set(range(len(self._jobs)))
+        try:
+            while waiting:
+                i, item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise from_engine_error(item) from item
+                waiting.discard(i)
+                self._buffer.append((i, item))
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _pump(self, i: int, job: Job) -> None:
+        try:
+            stream = self.engine.generate(job.request_id, job.prompt, job.params, job.priority)
+            async for out in stream:
+                job.tracker.on_output(out)
+                await self._queue.put((i, out))
+            await self._queue.put((i, None))
+        except Exception as e:  # noqa: BLE001 - the consumer decides what the client sees
+            await self._queue.put((i, e))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, delta) until every choice has finished; a mid-stream engine
+        error is raised as an APIError."""
+        ended: set[int] = set()
+        while len(ended) < len(self._jobs):
+            i, item = self._buffer.pop(0) if self._buffer else await self._queue.get()
+            if isinstance(item, BaseException):
+                raise from_engine_error(item) from item
+            if item is None:  # the engine closed a stream without a final delta
+                ended.add(i)
+                continue
+            if item.finished:
+                self._finished.add(i)
+            if item.error is not None:
+                raise APIError(500, f"The engine failed this request: {item.error}",
+                               type="server_error", code="internal_error")
+                ended.add(i)
+            yield i, item
+
+    async def close(self) -> None:
+        """Cancel the pumps and abort what is unfinished; shielded, because it runs while
+        the response's task is being cancelled (client gone)."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            for i, job in enumerate(self._jobs):
+                if i not in self._finished:
+                    await self.engine.abort(job.request_id)
+                    job.tracker.on_abort()
+
+
+async def start_stream(engine: EngineClient, jobs: list[Job],
+                       metrics: ServerMetrics) -> MergedStream:
+    """A started MergedStream; an admission refusal is counted, then raised as APIError."""
+    stream = MergedStream(engine, jobs)
+    try:
+        await stream.start()
+    except APIError as e:
+        reason = _REJECTION_REASONS.get(e.code or "")
+        if reason is not None:
+            metrics.rejections.labels(reason=reason).inc()
+        raise
+    return stream
+
+
+_REJECTION_REASONS = {"rate_limit_exceeded": "queue_full", "engine_dead": "engine_dead",
+                      "context_length_exceeded": "prompt_too_long"}
+
+
+async def run_unless_disconnected(receive: Receive,
+                                  work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it and return None.
+
+    Called after the body was read, so the next ASGI message can only be http.disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

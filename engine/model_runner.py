@@ -1,0 +1,227 @@
+"""ModelRunner: one packed forward per engine step over a paged KV pool.
+
+`execute()` turns a SchedulerOutput into tensors in one place (`_prepare`), runs the HF
+model once over all scheduled tokens ([1, T], positions restarting per sequence, no
+padding), computes logits only at the positions that need them, and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from engine import attention
+from engine.attention import AttentionMetadata, build_metadata
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.runner_output import RunnerOutput
+from scheduler.output import SchedulerOutput
+from scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepInputs:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    metadata: AttentionMetadata
+    keep: torch.Tensor  # [K] packed positions whose logits are computed
+    sample_rows: list[tuple[int, int]]  # (batch index, logits row) of sequences that sample
+    # batch index -> (first logits row, the prompt token ids those rows predict)
+    prompt_rows: dict[int, tuple[int, list[int]]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_size = config.scheduler.block_size
+        self._prompt_logprobs_next: dict[str, int] = {}  # seq_id -> next prompt position to report
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self) -> None:
+        from engine.sampler import Sampler
+
+        torch.set_num_threads(self.config.num_threads or _usable_cores())
+        torch.manual_seed(self.config.seed)
+        attention.register()
+        loaded = load_model(self.config.model, self.config.device, self.config.dtype)
+        self.model = loaded.model
+        self.model.set_attn_implementation(attention.ATTN_NAME)
+        self.tokenizer = loaded.tokenizer
+        self.facts = facts = loaded.facts
+        self.device: torch.device = self.model.device
+        self.dtype: torch.dtype = self.model.dtype
+        self.vocab_size = facts.vocab_size
+        self.eos_token_ids = facts.eos_token_ids
+        self.model_display_name = facts.display_name
+        self.max_model_len = min(self.config.scheduler.max_model_len,
+                                 facts.max_position_embeddings)
+        self.num_kv_blocks = self._num_blocks()
+        # One pool for all layers, allocated once: [layers, K/V, blocks, block_size, kvH, hd]
+        self.kv_cache = torch.zeros(facts.num_layers, 2, self.num_kv_blocks, self.block_size,
+                                    facts.num_kv_heads, facts.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
+        self._warm_up()
+        log.info("model %s on %s (%s): %d KV blocks of %d tokens", self.model_display_name,
+                 self.device, self.dtype, self.num_kv_blocks, self.block_size)
+
+    def _block_bytes(self) -> int:
+        f = self.facts
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return f.num_layers * 2 * self.block_size * f.num_kv_heads * f.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_free_cuda_memory()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        blocks = budget // self._block_bytes()
+        if blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block "
+                             f"({self._block_bytes()} bytes each)")
+        return blocks
+
+    def _profile_free_cuda_memory(self) -> int:
+        """Run the largest step once without a pool; what is left under the limit is for KV."""
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_forward(self.config.scheduler.max_num_batched_tokens, kv_cache=None)
+        torch.cuda.synchronize(self.device)
+        activations = torch.cuda.max_memory_allocated(self.device) - before
+        # total - free: weights, CUDA context and other processes, all already in use
+        return int(total * self.config.gpu_memory_utilization) - (total - free) - activations
+
+    def _warm_up(self) -> None:
+        n = min(self.config.scheduler.max_num_batched_tokens, self.block_size * self.num_kv_blocks,
+                self.max_model_len, 64 if self.device.type == "cpu" else 1 << 30)
+        self._dummy_forward(n, kv_cache=None)
+
+    @torch.inference_mode()
+    def _dummy_forward(self, n: int, kv_cache: torch.Tensor | None) -> None:
+        """One c == 0 prefill of n tokens (it reads nothing from the pool and writes nothing)."""
+        meta = build_metadata(kv_cache, self.block_size, list(range(n)), [], [(0, n, 0, [])],
+                              self.device)
+        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)[None]
+        keep = torch.arange(min(n, self.config.scheduler.max_num_seqs), device=self.device)
+        self.model(input_ids=ids, position_ids=pos, use_cache=False, attn_metadata=meta,
+                   logits_to_keep=keep)
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        output = RunnerOutput()
+        if batch.is_empty:
+            return output
+        step = self._prepare(batch)
+        logits = self.model(input_ids=step.input_ids, position_ids=step.position_ids,
+                            use_cache=False, attn_metadata=step.metadata,
+                            logits_to_keep=step.keep).logits[0]  # [K, vocab]
+        self._sample(batch, step, logits, output)
+        self._prompt_logprobs(batch, step, logits, output)
+        return output
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        for seq_id in seq_ids:
+            self._prompt_logprobs_next.pop(seq_id, None)
+
+    def _prepare(self, batch: SchedulerOutput) -> StepInputs:
+        """Flatten the batch: decode tokens (n == 1) first, then prefill chunks."""
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_scheduled_tokens[i] != 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decodes: list[tuple[list[int], int]] = []
+        prefills: list[tuple[int, int, int, list[int]]] = []
+        keep: list[int] = []
+        sample_rows: list[tuple[int, int]] = []
+        prompt_rows: dict[int, tuple[int, list[int]]] = {}
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_scheduled_tokens[i]
+            c, start = seq.num_computed_tokens, len(ids)
+            ids += seq.token_ids[c:c + n]
+            positions += range(c, c + n)
+            slots += (self._slot(seq.block_table, p) for p in range(c, c + n))
+            if n == 1:
+                decodes.append((seq.block_table, c + 1))
+            else:
+                prefills.append((start, n, c, seq.block_table))
+            first, targets = self._prompt_positions(seq, c, n)
+            if targets:
+                prompt_rows[i] = (len(keep), targets)
+                keep += range(start + first - c, start + first - c + len(targets))
+            if batch.samples(i):
+                sample_rows.append((i, len(keep)))
+                keep.append(start + n - 1)
+        dev = self.device
+        return StepInputs(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
+            metadata=build_metadata(self.kv_cache, self.block_size, slots, decodes, prefills, dev),
+            keep=torch.tensor(keep, dtype=torch.long, device=dev),
+            sample_rows=sorted(sample_rows),  # batch order, as the sampler sees the seqs
+            prompt_rows=prompt_rows,
+        )
+
+    def _slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prompt_positions(self, seq: Sequence, c: int, n: int) -> tuple[int, list[int]]:
+        """Prompt positions of this chunk still owed a prompt logprob -> (first, target ids).
+
+        Position p predicts prompt token p + 1. A recompute after preemption covers the
+        prompt again; positions already reported are skipped."""
+        if seq.params.prompt_logprobs is None:
+            return c, []
+        first = max(c, self._prompt_logprobs_next.get(seq.seq_id, 0))
+        end = min(c + n, seq.num_prompt_tokens - 1)
+        if first >= end:
+            return first, []
+        self._prompt_logprobs_next[seq.seq_id] = end
+        return first, seq.token_ids[first + 1:end + 1]
+
+    def _sample(self, batch: SchedulerOutput, step: StepInputs, logits: torch.Tensor,
+                output: RunnerOutput) -> None:
+        if not step.sample_rows:
+            return
+        rows = torch.tensor([r for _, r in step.sample_rows], device=logits.device)
+        seqs = [batch.seqs[i] for i, _ in step.sample_rows]
+        tokens, logprobs = self.sampler(logits[rows].float(), seqs)
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            output.sampled_token_ids[seq.seq_id] = token
+            if lp is not None:
+                output.logprobs[seq.seq_id] = lp
+
+    def _prompt_logprobs(self, batch: SchedulerOutput, step: StepInputs, logits: torch.Tensor,
+                         output: RunnerOutput) -> None:
+        from engine.sampler import compute_prompt_logprobs
+
+        for i, (row, targets) in step.prompt_rows.items():
+            seq = batch.seqs[i]
+            target = torch.tensor(targets, dtype=torch.long, device=logits.device)
+            rows = logits[row:row + len(targets)].float()
+            top_n = seq.params.prompt_logprobs or 0
+            output.prompt_logprobs[seq.seq_id] = compute_prompt_logprobs(rows, target, top_n)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,274 @@
+"""Scheduler: forms the batch of every engine step (vLLM v1 style, nano-vllm size).
+
+There are no prefill/decode phases. A step hands out one token budget: first to `running`
+sequences (one decode token, or the next prefill chunk), then, if nothing was preempted, to
+`waiting` ones in FCFS (or priority) order while `max_num_seqs` and free blocks allow. When a
+running sequence cannot get a block, the newest (or worst-priority) running sequence is
+preempted: its blocks are freed and it is recomputed later from the front of `waiting`.
+
+What must stay true: waiting sequences hold no blocks; running ones are in admission order;
+every sequence the scheduler knows is unfinished; a sequence that fits the pool alone always
+runs eventually (the oldest running sequence is never the victim while another exists).
+Admission only spends budget left after every running sequence got its share, and a
+sequence's share never grows, so every running sequence gets at least one token each step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Collection, Mapping
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
+from scheduler.output import SchedulerOutput
+from scheduler.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, num_blocks: int, eos_token_ids: Collection[int] = ()
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        # A sequence must fit the pool alone, or it could never run after a preemption.
+        self.max_len = min(config.max_model_len, num_blocks * config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._seqs: dict[str, Sequence] = {}  # every unfinished sequence
+        self._order: dict[str, int] = {}  # arrival tie-break
+        self._counter = itertools.count()
+        self._waiting_tokens = 0
+
+    # -- queries -----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        """The unfinished sequence with this id (finished ones are forgotten)."""
+        return self._seqs.get(seq_id)
+
+    # -- requests in and out -----------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._seqs:
+            raise SchedulerError(f"request id {seq.seq_id!r} is already in use")
+        if seq.status != SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+            raise ValueError(f"add() takes a fresh sequence, got {seq!r}")
+        self._check_fits(seq.num_prompt_tokens)
+        self._check_queue(seq.num_prompt_tokens)
+        self._seqs[seq.seq_id] = seq
+        self._order[seq.seq_id] = next(self._counter)
+        self._push_waiting(seq)
+
+    def _check_fits(self, n: int) -> None:
+        cfg = self.config
+        if n >= cfg.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens, but max_model_len is {cfg.max_model_len} "
+                f"and at least one token must be generated")
+        needed = -(-(n + 1) // cfg.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens; with one new token it needs {needed} KV blocks of "
+                f"{cfg.block_size} tokens, but the KV cache has {self.block_manager.num_blocks}")
+
+    def _check_queue(self, n: int) -> None:
+        cfg = self.config
+        if 0 < cfg.max_num_queued_reqs <= len(self.waiting):
+            raise QueueFullError(f"waiting queue is full: {len(self.waiting)} requests "
+                                 f"(max_num_queued_reqs={cfg.max_num_queued_reqs})")
+        # An empty queue takes any prompt, so no prompt is refused forever.
+        if cfg.max_num_queued_tokens > 0 and self.waiting \
+                and self._waiting_tokens + n > cfg.max_num_queued_tokens:
+            raise QueueFullError(
+                f"waiting queue is full: {self._waiting_tokens} queued tokens + {n} > "
+                f"max_num_queued_tokens={cfg.max_num_queued_tokens}")
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Finish seq_id (any state) as aborted and free its blocks; None if unknown."""
+        return self.finish(seq_id, SequenceStatus.FINISHED_ABORTED)
+
+    def finish(
+        self, seq_id: str, status: SequenceStatus, stop_reason: int | str | None = None
+    ) -> Sequence | None:
+        """Finish seq_id with a finished status (e.g. a stop string matched); frees its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"finish() needs a finished status, got {status.name}")
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status == SequenceStatus.WAITING:
+            self._remove_waiting(seq)
+        else:
+            self.running.remove(seq)
+        self._finish(seq, status, stop_reason)
+        return seq
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None) -> None:
+        seq.status = status
+        seq.stop_reason = stop_reason
+        self.block_manager.free(seq)
+        del self._seqs[seq.seq_id]
+        del self._order[seq.seq_id]
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted_ids:  # a step that preempted has no blocks to spare
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or (defensive) no budget left
+            n = min(seq.num_uncomputed_tokens, self.config.prefill_chunk_cap, budget)
+            assert n > 0, f"running sequence with nothing to compute: {seq!r}"
+            while not self.block_manager.can_allocate(seq, n):
+                victim = self._pick_victim()
+                budget += self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:  # no break: there is room for seq now
+                self.block_manager.allocate(seq, n)
+                out.seqs.append(seq)
+                out.num_scheduled_tokens.append(n)
+                budget -= n
+        return budget
+
+    def _pick_victim(self) -> Sequence:
+        if self.config.policy == "priority":
+            return max(self.running, key=self._priority_key)
+        return self.running[-1]
+
+    def _priority_key(self, seq: Sequence) -> tuple[int, float, int]:
+        return (seq.priority, seq.arrival_time, self._order[seq.seq_id])
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Recompute preemption; returns the budget seq had taken in this step (if any)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(seq, front=True)
+        out.preempted_ids.append(seq.seq_id)
+        if seq not in out.seqs:
+            return 0
+        i = out.seqs.index(seq)
+        del out.seqs[i]
+        return out.num_scheduled_tokens.pop(i)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        queue = list(self.waiting)
+        if self.config.policy == "priority":
+            queue.sort(key=self._priority_key)
+        for seq in queue:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            n = self._admit(seq, budget)
+            if n == 0:
+                return  # head of line: later sequences wait behind it
+            out.seqs.append(seq)
+            out.num_scheduled_tokens.append(n)
+            budget -= n
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Move seq to running with its prefix hits and first chunk; 0 if blocks are short."""
+        bm = self.block_manager
+        hits = bm.get_computed_blocks(seq)
+        num_cached = len(hits) * bm.block_size
+        n = min(seq.num_tokens - num_cached, self.config.prefill_chunk_cap, budget)
+        if not bm.can_allocate(seq, n, hits):
+            return 0
+        bm.allocate(seq, n, hits)
+        seq.num_computed_tokens = num_cached
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+            seq.num_cached_tokens = num_cached
+        self._remove_waiting(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return n
+
+    def _push_waiting(self, seq: Sequence, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+        self._waiting_tokens += seq.num_tokens
+
+    def _remove_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        self._waiting_tokens -= seq.num_tokens
+
+    # -- after the forward -------------------------------------------------------------------
+
+    def postprocess(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+    ) -> list[Sequence]:
+        """Advance the step's sequences; returns those that got a token or finished."""
+        done: list[Sequence] = []
+        for i, seq in enumerate(output.seqs):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # aborted or finished between schedule() and postprocess()
+            sampled = output.samples(i)  # before advancing: it compares computed with total
+            seq.num_computed_tokens += output.num_scheduled_tokens[i]
+            self.block_manager.cache_full_blocks(seq)
+            if sampled:
+                self._on_sample(seq, sampled_token_ids[seq.seq_id])
+                done.append(seq)
+        return done
+
+    def _on_sample(self, seq: Sequence, token_id: int) -> None:
+        params = seq.params
+        if params.max_tokens == 0:  # echo-only scoring: the prompt was all it wanted
+            self._finish_running(seq, SequenceStatus.FINISHED_LENGTH, None)
+            return
+        seq.append_token(token_id)
+        if seq.num_output_tokens >= params.min_tokens and (
+            (token_id in self.eos_token_ids and not params.ignore_eos)
+            or token_id in params.stop_token_ids
+        ):
+            self._finish_running(seq, SequenceStatus.FINISHED_STOPPED, token_id)
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_len:
+            self._finish_running(seq, SequenceStatus.FINISHED_LENGTH, None)
+
+    def _finish_running(
+        self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None
+    ) -> None:
+        self.running.remove(seq)
+        self._finish(seq, status, stop_reason)
+
+    # -- checks ------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Queues and block pool agree (raises AssertionError with details)."""
+        self.block_manager.check_invariants()
+        for seq in self.waiting:
+            assert seq.status == SequenceStatus.WAITING and not seq.block_table \
+                and seq.num_computed_tokens == 0, repr(seq)
+        for seq in self.running:
+            assert seq.status == SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 0, seq
+        assert len(self.running) <= self.config.max_num_seqs, len(self.running)
+        ids = [s.seq_id for s in itertools.chain(self.waiting, self.running)]
+        assert sorted(ids) == sorted(self._seqs), f"queues {ids} != known {list(self._seqs)}"
+        assert self._waiting_tokens == sum(s.num_tokens for s in self.waiting)

@@ -1,0 +1,175 @@
+"""FakeEngine: a faithful, torch-free EngineClient for API tests.
+
+Tokens are characters (id = code point + 2; 0 = EOS, 1 = BOS). A request "generates" its
+prompt's text tokens again, cycled, honouring max_tokens, stop strings, stop token ids,
+logprobs and prompt logprobs. Delays, admission errors and mid-stream failures are knobs;
+aborts and early closes are recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import Logprob, RequestOutput, TokenLogprobs
+from engine.protocol import EngineDeadError, EngineStats
+from scheduler.sampling_params import SamplingParams
+
+EOS, BOS, OFFSET = 0, 1, 2
+MAX_ID = 0x110000 + OFFSET
+
+
+def tok(c: str) -> int:
+    return ord(c) + OFFSET
+
+
+@dataclass
+class Submitted:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+
+
+class FakeEngine:
+    def __init__(self, *, max_model_len: int = 128, token_delay: float = 0.0,
+                 load_delay: float = 0.0, start_error: Exception | None = None,
+                 admission_error: Exception | None = None, fail_after: int | None = None,
+                 mid_error: Exception | None = None, model_name: str = "fake-model") -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.token_delay = token_delay
+        self.load_delay = load_delay
+        self.start_error = start_error
+        self.admission_error = admission_error  # raised before the first delta
+        self.fail_after = fail_after  # deltas before the mid-stream failure
+        self.mid_error = mid_error  # None with fail_after: an output with .error set
+        self.submitted: list[Submitted] = []
+        self.aborted: list[str] = []
+        self.closed_early: list[str] = []
+        self.active: set[str] = set()
+        self.dead = False
+        self.started = False
+        self.shut_down = False
+
+    async def start(self) -> None:
+        await asyncio.sleep(self.load_delay)
+        if self.start_error is not None:
+            raise self.start_error
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
+        self.started = False
+
+    def is_ready(self) -> bool:
+        return self.started and not self.dead
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        text.encode("utf-8")  # a lone surrogate raises, as in a real byte-level tokenizer
+        return ([BOS] if add_special_tokens else []) + [tok(c) for c in text]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if any(t >= MAX_ID for t in token_ids):
+            raise ValueError("token id out of range")
+        return "".join(chr(t - OFFSET) for t in token_ids if t >= OFFSET)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        if messages[-1]["content"] == "RAISE":
+            raise ValueError("Conversation roles must alternate")  # like a jinja template
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.active), num_waiting=0, num_kv_blocks=100,
+                           num_free_kv_blocks=75, num_preemptions=3, prefix_cache_queries=10,
+                           prefix_cache_hits=4, num_steps=7)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        if self.dead or not self.started:
+            raise EngineDeadError("engine is dead")
+        if self.admission_error is not None:
+            raise self.admission_error
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.submitted.append(Submitted(request_id, prompt, params, priority))
+        self.active.add(request_id)
+        run = _Run(self, request_id, ids, params)
+        finished = False
+        try:
+            async for out in run.outputs():
+                finished = out.finished
+                yield out
+        finally:
+            self.active.discard(request_id)
+            if not finished:
+                self.closed_early.append(request_id)
+
+
+class _Run:
+    """One request's generation."""
+
+    def __init__(self, engine: FakeEngine, request_id: str, ids: list[int],
+                 params: SamplingParams) -> None:
+        self.e, self.rid, self.ids, self.p = engine, request_id, ids, params
+        self.reply = [t for t in ids if t >= OFFSET] or [tok("x")]
+        self.text = ""
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        # A first empty delta, like a prefill chunk: the API must not emit it.
+        yield RequestOutput(self.rid, (), "", prompt_token_ids=tuple(self.ids),
+                            prompt_logprobs=self._prompt_logprobs(),
+                            num_prompt_tokens=len(self.ids))
+        if self.p.max_tokens == 0:
+            yield self._out((), "", "length", None, 0)
+            return
+        for k in range(self.p.max_tokens):
+            await asyncio.sleep(self.e.token_delay)
+            if self.e.fail_after is not None and k >= self.e.fail_after:
+                if self.e.mid_error is not None:
+                    raise self.e.mid_error
+                yield RequestOutput(self.rid, (), "", finish_reason="abort", error="boom")
+                return
+            out = self._step(self.reply[k % len(self.reply)], k + 1)
+            yield out
+            if out.finished:
+                return
+
+    def _step(self, t: int, produced: int) -> RequestOutput:
+        if t in self.p.stop_token_ids:
+            return self._out((t,), "", "stop", t, produced)
+        new = chr(t - OFFSET)
+        for s in self.p.stop:
+            if (self.text + new).endswith(s):
+                keep = new if self.p.include_stop_str_in_output else ""
+                return self._out((t,), keep, "stop", s, produced)
+        self.text += new
+        done = "length" if produced >= self.p.max_tokens else None
+        return self._out((t,), new, done, None, produced)
+
+    def _out(self, ids: tuple[int, ...], text: str, finish: str | None,
+             stop: int | str | None, produced: int) -> RequestOutput:
+        lps = tuple(self._lp(t) for t in ids) if self.p.logprobs is not None else None
+        return RequestOutput(self.rid, ids, text, finish_reason=finish, stop_reason=stop,
+                             logprobs=lps, num_prompt_tokens=len(self.ids),
+                             num_output_tokens=produced,
+                             queue_time=0.001 if finish else None)
+
+    def _lp(self, t: int, n: int | None = None) -> TokenLogprobs:
+        n = self.p.logprobs if n is None else n
+        chosen = Logprob(t, chr(max(t - OFFSET, 0)), -0.5)
+        top = tuple(Logprob(t + k, chr(max(t + k - OFFSET, 0)), -0.5 - k)
+                    for k in range(n or 0))
+        return TokenLogprobs(chosen, 1, top)
+
+    def _prompt_logprobs(self) -> tuple[TokenLogprobs | None, ...] | None:
+        n = self.p.prompt_logprobs
+        if n is None:
+            return None
+        return (None, *(self._lp(t, n) for t in self.ids[1:]))

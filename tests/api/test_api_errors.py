@@ -1,0 +1,209 @@
+"""Every error class: status, OpenAI body, the parameter named; never 422, never 500."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from apitools import serve, sse_events
+from fake_engine import FakeEngine
+from starlette.testclient import TestClient
+
+from engine.protocol import EngineDeadError, PromptTooLongError, QueueFullError
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def assert_error(r: Any, status: int, param: str | None = None,
+                 code: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and isinstance(error["type"], str)
+    assert error["code"] is None or isinstance(error["code"], str)
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+BAD_COMPLETIONS = [
+    ({}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [[1], "a"]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": "a", "max_tokens": "3"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 10**30}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 1000}, "max_tokens"),
+    ({"prompt": "a", "temperature": -1}, "temperature"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": "a", "temperature": 10**400}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_k": -2}, "top_k"),
+    ({"prompt": "a", "min_p": 2}, "min_p"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": 1000}, "n"),
+    ({"prompt": "a", "stop": [1]}, "stop"),
+    ({"prompt": "a", "stop": ["x"] * 17}, "stop"),
+    ({"prompt": "a", "stop": [""]}, "stop"),
+    ({"prompt": "a", "stop_token_ids": [-3]}, "stop_token_ids"),
+    ({"prompt": "a", "seed": 2**70}, "seed"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": [1]}, "logit_bias"),
+    ({"prompt": "a", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+    ({"prompt": "a", "echo": 1}, "echo"),
+    ({"prompt": "a", "best_of": 2}, "best_of"),
+    ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": "a", "user": 3}, "user"),
+    ({"prompt": "a", "priority": 1.5}, "priority"),
+    ({"prompt": "a", "model": 3}, "model"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_COMPLETIONS)
+def test_bad_completion_requests(client: TestClient, body: dict[str, Any], param: str) -> None:
+    assert_error(client.post("/v1/completions", json=body), 400, param)
+
+
+BAD_CHATS = [
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [3]}, "messages[0]"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "RAISE"}]}, "messages"),
+    ({"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ({"messages": MSG, "logprobs": 1}, "logprobs"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x" * 200}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_CHATS)
+def test_bad_chat_requests(client: TestClient, body: dict[str, Any], param: str) -> None:
+    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b'"x"', b"null", b'{"prompt": NaN}',
+                                 b'{"prompt": "a", "temperature": Infinity}', b"\xff\xfe",
+                                 b"[" * 100_000, b'{"prompt": "a", "n": ' + b"9" * 5000 + b"}"])
+def test_malformed_bodies_are_400(client: TestClient, raw: bytes) -> None:
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        assert_error(client.post(path, content=raw), 400)
+
+
+def test_lone_surrogate_is_400(client: TestClient) -> None:
+    raw = b'{"prompt": "a\\ud800"}'  # valid JSON, but no tokenizer can encode it
+    assert_error(client.post("/v1/completions", content=raw), 400, "prompt")
+    raw = b'{"messages": [{"role": "user", "content": "\\udfff"}]}'
+    assert_error(client.post("/v1/chat/completions", content=raw), 400, "messages")
+
+
+def test_unknown_fields_are_ignored(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "frobnicate": 1})
+    assert r.status_code == 200
+
+
+def test_context_length(client: TestClient) -> None:
+    assert_error(client.post("/v1/completions", json={"prompt": "x" * 200}), 400, "prompt",
+                 "context_length_exceeded")
+    assert_error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 127}), 400,
+                 "max_tokens", "context_length_exceeded")
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 126}).status_code \
+        == 200
+
+
+def test_unknown_model_route_and_method(client: TestClient) -> None:
+    assert_error(client.post("/v1/completions", json={"prompt": "a", "model": "gpt-9"}), 404,
+                 "model", "model_not_found")
+    assert_error(client.get("/v2/nothing"), 404)
+    r = client.get("/v1/completions")
+    assert_error(r, 405)
+    assert "POST" in r.headers["allow"]
+
+
+def test_body_too_large() -> None:
+    with serve(FakeEngine(), max_body_bytes=100) as client:
+        assert_error(client.post("/v1/completions", json={"prompt": "a" * 200}), 413)
+        assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 200
+
+
+def test_api_key() -> None:
+    with serve(FakeEngine(), api_key="sekrit") as client:
+        body = {"prompt": "a", "max_tokens": 1}
+        assert_error(client.post("/v1/completions", json=body), 401, code="invalid_api_key")
+        bad = {"Authorization": "Bearer nope"}
+        assert_error(client.post("/v1/completions", json=body, headers=bad), 401)
+        assert_error(client.get("/v1/models"), 401)
+        assert_error(client.post("/tokenize", json={"prompt": "a"}), 401)
+        good = {"Authorization": "Bearer sekrit"}
+        assert client.post("/v1/completions", json=body, headers=good).status_code == 200
+        assert client.get("/health").status_code == 200  # probes stay open
+        assert client.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize(("error", "status", "code"), [
+    (QueueFullError("waiting queue is full"), 429, "rate_limit_exceeded"),
+    (PromptTooLongError("needs 900 blocks"), 400, "context_length_exceeded"),
+    (EngineDeadError("gone"), 503, "engine_dead"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_admission_errors(error: Exception, status: int, code: str, stream: bool) -> None:
+    engine = FakeEngine(admission_error=error)
+    with serve(engine) as client:
+        r = client.post("/v1/completions", json={"prompt": "a", "stream": stream, "n": 2})
+        assert_error(r, status, code=code)
+        if status == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert 'reason="queue_full"' in client.get("/metrics").text
+        r = client.post("/v1/chat/completions", json={"messages": MSG, "stream": stream})
+        assert_error(r, status, code=code)
+
+
+def test_503_while_loading_and_when_dead() -> None:
+    engine = FakeEngine(load_delay=30)
+    with serve(engine, wait_ready=False) as client:
+        assert_error(client.get("/health"), 503)
+        assert_error(client.post("/v1/completions", json={"prompt": "a"}), 503)
+        assert_error(client.post("/tokenize", json={"prompt": "a"}), 503)
+    engine = FakeEngine()
+    with serve(engine) as client:
+        assert client.get("/health").status_code == 200
+        engine.dead = True
+        assert_error(client.get("/health"), 503)
+        assert_error(client.post("/v1/chat/completions", json={"messages": MSG}), 503)
+
+
+def test_start_failure_keeps_server_up_with_503() -> None:
+    with serve(FakeEngine(start_error=RuntimeError("no weights")), wait_ready=False) as client:
+        assert_error(client.get("/health"), 503)
+
+
+def test_error_event_framing_is_json() -> None:
+    engine = FakeEngine(fail_after=0)
+    with serve(engine) as client:
+        r = client.post("/v1/chat/completions", json={"messages": MSG, "stream": True})
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "internal_error"

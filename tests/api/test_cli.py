@@ -1,0 +1,41 @@
+"""pagedserve --help and flag -> config mapping (no model is loaded)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from api.cli import ENGINE_FLAGS, build_parser, config_overrides
+from engine.config import load_config
+
+ALL_FLAGS = [*ENGINE_FLAGS, "--config", "--host", "--port", "--api-key", "--log-level",
+             "--enable-prefix-caching", "--no-enable-prefix-caching"]
+
+
+def test_help_mentions_every_flag() -> None:
+    for argv in (["-m", "api", "--help"], ["-m", "api", "serve", "--help"]):
+        out = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+        for flag in ALL_FLAGS:
+            assert flag in out, (argv, flag)
+        assert "default" in out
+
+
+def test_flags_override_the_preset() -> None:
+    args = build_parser().parse_args([
+        "serve", "--config", "tiny", "--max-num-seqs", "3", "--kv-cache-memory", "2GiB",
+        "--scheduling-policy", "priority", "--no-enable-prefix-caching", "--dtype", "bfloat16"])
+    overrides = config_overrides(args)
+    assert overrides == {"max_num_seqs": 3, "kv_cache_memory": "2GiB", "policy": "priority",
+                         "enable_prefix_caching": False, "dtype": "bfloat16"}
+    config = load_config(args.config, **overrides)
+    assert config.scheduler.max_num_seqs == 3 and config.scheduler.policy == "priority"
+    assert config.kv_cache_memory == 2 << 30 and not config.scheduler.enable_prefix_caching
+    assert config.scheduler.block_size == 4  # from the tiny preset
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+
+
+def test_console_script_entry() -> None:
+    out = subprocess.run([sys.executable, "-c", "from api.cli import main; main(['--help'])"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0 and "serve" in out.stdout

@@ -1,0 +1,286 @@
+"""Sampler: each processing step on hand-made tensors, then the batched Sampler end to end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.runner_output import TokenLogprobIds
+from engine.sampler import (
+    Sampler,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    compute_prompt_logprobs,
+    sample_from_probs,
+    seeded_uniform,
+    token_logprobs,
+)
+from scheduler.sampling_params import SamplingParams
+from scheduler.sequence import Sequence
+
+V = 64
+INF = float("inf")
+
+
+def make_seq(params: SamplingParams, prompt: list[int] | None = None,
+             output: tuple[int, ...] = (), seq_id: str = "s") -> Sequence:
+    seq = Sequence(seq_id, prompt or [1, 2, 3], params)
+    for t in output:
+        seq.append_token(t)
+    return seq
+
+
+def random_logits(rows: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def draw_many(sampler: Sampler, logits: torch.Tensor, params: SamplingParams,
+              n: int = 400) -> list[int]:
+    """n draws from one row, batched as n copies of the row (unseeded)."""
+    tokens, _ = sampler(logits.expand(n, -1).contiguous(),
+                        [make_seq(params, seq_id=str(i)) for i in range(n)])
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------
+# Processing steps
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
+    logits = torch.tensor([[2.0, -2.0, 4.0, -1.0, 0.0]])
+    # tokens 0, 1, 4 in the prompt, token 3 generated three times; 9 is past the head
+    apply_penalties(logits, [[0, 1, 4, 1, 9]], [[3, 3, 3]], [2.0], [0.0], [0.0])
+    assert logits.tolist() == [[1.0, -4.0, 4.0, -2.0, 0.0]]
+
+
+def test_presence_and_frequency_cover_output_tokens_only() -> None:
+    logits = torch.tensor([[1.0, 1.0, 1.0, -1.0]])
+    # prompt-only token 0 is not penalised; outputs: token 1 once, 2 three times, 3 twice
+    apply_penalties(logits, [[0, 0]], [[2, 1, 2, 3, 2, 3]], [1.0], [0.5], [0.25])
+    assert logits.tolist() == [[1.0, 1.0 - 0.5 - 0.25, 1.0 - 0.5 - 0.75, -1.0 - 0.5 - 0.5]]
+
+
+def test_penalties_are_per_row_and_keep_minus_inf() -> None:
+    logits = torch.tensor([[2.0, -INF], [2.0, 2.0]])
+    apply_penalties(logits, [[], []], [[0, 1], [0]], [2.0, 1.0], [0.0, 1.0], [0.0, 0.0])
+    assert logits.tolist() == [[1.0, -INF], [1.0, 2.0]]
+
+
+def test_repetition_penalty_matches_hugging_face() -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = random_logits(2, seed=9)
+    ids = torch.tensor([[3, 5, 5, 60, 0], [7, 7, 8, 9, 10]])
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
+    ours = apply_penalties(logits.clone(), ids.tolist(), [[], []], [1.3] * 2, [0.0] * 2,
+                           [0.0] * 2)
+    assert torch.equal(ours, expected)
+
+
+def test_top_k_keeps_k_best_per_row() -> None:
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])
+    apply_top_k(logits, [2, 1])
+    assert logits.tolist() == [[-INF, 5.0, -INF, 4.0], [4.0, -INF, -INF, -INF]]
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.1, 0.5, 0.15, 0.25]])
+    apply_top_p(probs, [0.7, 0.75])  # 0.5 + 0.25 = 0.75 reaches both
+    expected = [[0.0, 0.5, 0.0, 0.25]] * 2
+    assert torch.allclose(probs, torch.tensor(expected))
+    probs = torch.tensor([[0.1, 0.5, 0.15, 0.25]])
+    apply_top_p(probs, [0.76])
+    assert (probs > 0).tolist() == [[False, True, True, True]]
+
+
+def test_top_p_wide_nucleus_falls_back_to_full_sort() -> None:
+    # 1000 nearly equal tokens: top-256 cannot reach p = 0.9, so the sorted path decides.
+    probs = torch.linspace(1.0, 2.0, 1000).unsqueeze(0)
+    probs /= probs.sum()
+    expected = probs.clone()
+    order = expected.argsort(descending=True)
+    cum = expected[0, order[0]].cumsum(0)
+    keep = order[0][(cum - expected[0, order[0]]) < 0.9]
+    apply_top_p(probs, [0.9])
+    assert set((probs[0] > 0).nonzero().squeeze(1).tolist()) == set(keep.tolist())
+    assert 256 < len(keep) < 1000
+
+
+def test_min_p_drops_below_fraction_of_max() -> None:
+    probs = torch.tensor([[0.5, 0.25, 0.1, 0.15], [0.4, 0.4, 0.1, 0.1]])
+    before = probs.clone()
+    apply_min_p(probs, [0.5, 0.3])  # thresholds 0.25 (kept: p >= threshold) and 0.12
+    keep = torch.tensor([[True, True, False, False], [True, True, False, False]])
+    assert torch.equal(probs, torch.where(keep, before, 0.0))
+
+
+def test_sample_from_probs_inverse_cdf_skips_zero_mass() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75]] * 4)
+    tokens = sample_from_probs(probs, torch.tensor([0.0, 0.2, 0.3, 0.99999994]))
+    assert tokens.tolist() == [1, 1, 3, 3]
+    # u rounding up to 1.0 must still land on the last token with mass.
+    assert sample_from_probs(torch.tensor([[0.5, 0.5, 0.0]]), torch.tensor([1.0])).tolist() == [1]
+
+
+def test_seeded_uniform_is_a_pure_function() -> None:
+    assert seeded_uniform(7, 3) == seeded_uniform(7, 3)
+    values = {seeded_uniform(7, s) for s in range(100)} | {seeded_uniform(-1, 0)}
+    assert len(values) == 101 and all(0.0 <= u < 1.0 for u in values)
+
+
+def test_token_logprobs_values_ranks_and_top_n() -> None:
+    logprobs = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.1, 0.2, 0.9]]).log_softmax(-1)
+    found = token_logprobs(logprobs, torch.tensor([2, 3]), [3, 0])
+    assert found[0].token_id == 2 and found[0].rank == 2
+    assert found[0].logprob == pytest.approx(logprobs[0, 2].item())
+    assert found[0].top_ids == (1, 2, 0)
+    assert list(found[0].top_logprobs) == sorted(found[0].top_logprobs, reverse=True)
+    assert found[1] == TokenLogprobIds(3, logprobs[1, 3].item(), 1, (), ())
+
+
+def test_compute_prompt_logprobs_on_hand_made_logits() -> None:
+    logits = torch.tensor([[0.0, 0.0, math.log(2.0)], [5.0, 0.0, 0.0]])
+    found = compute_prompt_logprobs(logits, torch.tensor([0, 0]), top_n=2)
+    assert found[0].logprob == pytest.approx(math.log(0.25))
+    assert found[0].rank == 2 and found[0].top_ids[0] == 2
+    assert found[0].top_logprobs[0] == pytest.approx(math.log(0.5))
+    assert found[1].rank == 1 and found[1].top_ids[0] == 0 and len(found[1].top_ids) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# The batched Sampler
+
+
+def test_greedy_is_argmax_and_leaves_logits_untouched() -> None:
+    logits = random_logits(8)
+    before = logits.clone()
+    tokens, logprobs = Sampler(V)(logits, [make_seq(SamplingParams(temperature=0))] * 8)
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs == [None] * 8 and torch.equal(logits, before)
+
+
+def test_tiny_temperature_is_greedy() -> None:
+    logits = random_logits(4, seed=2)
+    seqs = [make_seq(SamplingParams(temperature=1e-7), seq_id=str(i)) for i in range(4)]
+    assert Sampler(V, seed=0)(logits, seqs)[0] == logits.argmax(-1).tolist()
+
+
+def test_padded_vocab_columns_are_never_sampled() -> None:
+    logits = torch.zeros(2, V + 8)
+    logits[:, V:] = 100.0  # a padded LM head's extra columns
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams()
+    tokens, _ = Sampler(V)(logits, [make_seq(greedy), make_seq(sampled)])
+    assert all(t < V for t in tokens)
+
+
+def test_greedy_applies_penalties() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 5], logits[0, 6] = 2.0, 1.5
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    tokens, _ = Sampler(V)(logits, [make_seq(params, prompt=[5])])
+    assert tokens == [6]
+
+
+def test_seeded_row_is_independent_of_batch_and_position() -> None:
+    sampler = Sampler(V)
+    row = random_logits(1, seed=1, scale=1.0)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
+    alone = [sampler(row, [make_seq(params, output=(9,) * step)])[0][0] for step in range(30)]
+    others = [SamplingParams(temperature=0.7), SamplingParams(seed=5, top_k=3),
+              SamplingParams(temperature=0), SamplingParams(min_p=0.1, presence_penalty=1.0)]
+    for step in range(30):
+        for position in (0, 2, 4):
+            batch = [make_seq(p, seq_id=str(i)) for i, p in enumerate(others)]
+            batch.insert(position, make_seq(params, output=(9,) * step))
+            logits = random_logits(5, seed=step)
+            logits[position] = row[0]
+            assert sampler(logits, batch)[0][position] == alone[step]
+    assert len(set(alone)) > 3  # the seed still varies the draw from step to step
+
+
+def test_different_seeds_differ() -> None:
+    sampler, row = Sampler(V), random_logits(1, seed=3, scale=0.5)
+    runs = [[sampler(row, [make_seq(SamplingParams(seed=seed), output=(1,) * step)])[0][0]
+             for step in range(20)] for seed in (1, 2)]
+    assert runs[0] != runs[1]
+
+
+def test_unseeded_sampler_seed_reproduces() -> None:
+    logits = random_logits(16, scale=0.5)
+    seqs = [make_seq(SamplingParams(), seq_id=str(i)) for i in range(16)]
+    assert Sampler(V, seed=3)(logits, seqs)[0] == Sampler(V, seed=3)(logits, seqs)[0]
+
+
+@pytest.mark.parametrize("params, allowed", [
+    (SamplingParams(top_k=3), {10, 11, 12}),
+    (SamplingParams(top_p=0.7), {10, 11}),  # 0.58 + 0.21 reaches 0.7
+    (SamplingParams(min_p=0.3), {10, 11}),  # 0.21 >= 0.3 * 0.58; 0.08 is not
+    (SamplingParams(top_k=4, top_p=0.9, min_p=0.1), {10, 11, 12}),
+])
+def test_truncation_never_samples_outside_allowed_set(params: SamplingParams,
+                                                      allowed: set[int]) -> None:
+    logits = torch.full((1, V), -3.0)
+    logits[0, 10:14] = torch.tensor([3.0, 2.0, 1.0, 0.5])  # p = .58 .21 .08 .05, rest .0014
+    drawn = set(draw_many(Sampler(V, seed=0), logits, params))
+    assert drawn == allowed
+
+
+def test_temperature_sharpens() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 0], logits[0, 1] = 1.0, 0.0
+    logits[0, 2:] = -INF
+    hot = draw_many(Sampler(V, seed=1), logits, SamplingParams(temperature=1.0), n=2000)
+    cold = draw_many(Sampler(V, seed=1), logits, SamplingParams(temperature=0.25), n=2000)
+    p_hot, p_cold = 1 / (1 + math.exp(-1)), 1 / (1 + math.exp(-4))  # 0.73, 0.98
+    assert hot.count(0) / 2000 == pytest.approx(p_hot, abs=0.04)
+    assert cold.count(0) / 2000 == pytest.approx(p_cold, abs=0.02)
+
+
+def test_logit_bias_forces_and_bans() -> None:
+    logits = random_logits(1, seed=4)
+    top = int(logits.argmax())
+    forced = draw_many(Sampler(V, seed=0), logits, SamplingParams(logit_bias={7: 100.0}), 50)
+    assert set(forced) == {7}
+    banned = SamplingParams(temperature=0, logit_bias={top: -100.0})
+    assert Sampler(V)(logits, [make_seq(banned)])[0][0] != top
+    sampled = draw_many(Sampler(V, seed=0), logits, SamplingParams(logit_bias={top: -100.0}))
+    assert top not in sampled
+
+
+def test_min_tokens_forbids_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 2], logits[0, 3], logits[0, 4] = 50.0, 40.0, 30.0  # EOS 2, stop id 3
+    sampler = Sampler(V, eos_token_ids=[2])
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(3,))
+    assert sampler(logits, [make_seq(params)])[0] == [4]
+    assert sampler(logits, [make_seq(params, output=(9,))])[0] == [4]
+    assert sampler(logits, [make_seq(params, output=(9, 9))])[0] == [2]
+    ignore = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert sampler(logits, [make_seq(ignore)])[0] == [2]  # EOS is a plain token here
+    sampled = draw_many(sampler, logits, SamplingParams(min_tokens=1, stop_token_ids=(3,)), 50)
+    assert set(sampled) == {4}
+
+
+def test_sampler_logprobs_are_raw_log_softmax() -> None:
+    logits = random_logits(3, seed=5)
+    params = [SamplingParams(temperature=0.5, logprobs=4, repetition_penalty=1.5,
+                             logit_bias={0: 5.0}),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logprobs=0, logit_bias={1: 100.0})]
+    seqs = [make_seq(p, prompt=[0, 1], seq_id=str(i)) for i, p in enumerate(params)]
+    tokens, found = Sampler(V, seed=0)(logits, seqs)
+    expected = logits.log_softmax(-1)
+    first = found[0]
+    assert first is not None and found[1] is None
+    assert first.token_id == tokens[0]
+    assert first.logprob == pytest.approx(expected[0, tokens[0]].item())
+    assert first.rank == int((expected[0] > expected[0, tokens[0]]).sum()) + 1
+    assert list(first.top_ids) == expected[0].topk(4).indices.tolist()
+    assert list(first.top_logprobs) == pytest.approx(expected[0].topk(4).values.tolist())
+    third = found[2]
+    assert third is not None and tokens[2] == 1 and third.top_ids == ()
+    assert third.logprob == pytest.approx(expected[2, 1].item())

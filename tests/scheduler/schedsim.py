@@ -1,0 +1,108 @@
+"""A fake model runner and step loop for scheduler tests (no torch).
+
+FakeRunner keeps a paged "KV pool" like the real one: slot p of a sequence holds the exact
+token prefix 0..p it was computed from. Every step it reads the context of each scheduled
+sequence through its block table and fails if any cached slot is not the sequence's own
+prefix (so a wrong prefix hit, a stale block after preemption or a bad block table is
+caught), writes the new slots, and samples a token that is a pure function of the tokens
+(as greedy decoding is), so outputs must not depend on batching.
+"""
+
+from __future__ import annotations
+
+from scheduler.output import SchedulerOutput
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.sequence import Sequence, SequenceStatus
+
+VOCAB = 50  # sampled ids are in [2, VOCAB); 0 and 1 are free for EOS/stop tests
+
+
+def next_token(token_ids: list[int]) -> int:
+    return 2 + (sum(token_ids[-3:]) * 7 + len(token_ids)) % (VOCAB - 2)
+
+
+def make_seq(seq_id: str, prompt: list[int] | int, priority: int = 0,
+             arrival_time: float | None = None, **params: object) -> Sequence:
+    ids = list(range(10, 10 + prompt)) if isinstance(prompt, int) else prompt
+    return Sequence(seq_id, ids, SamplingParams(**params), priority=priority,  # type: ignore[arg-type]
+                    arrival_time=arrival_time)
+
+
+class FakeRunner:
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.block_size = sched.block_manager.block_size
+        self.slots: list[tuple[int, ...] | None] = [None] * (
+            sched.block_manager.num_blocks * self.block_size)
+        self.steps = 0
+
+    def slot(self, seq: Sequence, p: int) -> int:
+        return seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
+
+    def run(self, out: SchedulerOutput) -> dict[str, int]:
+        self.steps += 1
+        sampled: dict[str, int] = {}
+        for i, seq in enumerate(out.seqs):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # aborted after schedule(): the real runner would still compute it
+            c, n = seq.num_computed_tokens, out.num_scheduled_tokens[i]
+            assert len(seq.block_table) * self.block_size >= c + n, f"no slots: {seq!r}"
+            for p in range(c):
+                got = self.slots[self.slot(seq, p)]
+                assert got == tuple(seq.token_ids[: p + 1]), f"{seq!r}: bad KV at {p}: {got}"
+            for p in range(c, c + n):
+                self.slots[self.slot(seq, p)] = tuple(seq.token_ids[: p + 1])
+            if out.samples(i):
+                sampled[seq.seq_id] = next_token(seq.token_ids)
+        return sampled
+
+
+def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
+    """What every SchedulerOutput must satisfy."""
+    cfg = sched.config
+    assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(out.seqs) <= cfg.max_num_seqs
+    assert len({s.seq_id for s in out.seqs}) == len(out.seqs), "a sequence scheduled twice"
+    assert len(out.seqs) == len(out.num_scheduled_tokens)
+    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+        assert 1 <= n <= cfg.prefill_chunk_cap, (seq, n)
+        assert seq.status == SequenceStatus.RUNNING and seq.seq_id not in out.preempted_ids
+        assert seq.num_computed_tokens + n <= seq.num_tokens
+    # Admission only uses budget the running sequences left over: none of them is skipped.
+    assert set(map(id, sched.running)) == set(map(id, out.seqs)), (sched.running, out.seqs)
+
+
+def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Sequence]]:
+    out = sched.schedule()
+    check_output(sched, out)
+    sched.check_invariants()
+    done = sched.postprocess(out, runner.run(out))
+    sched.check_invariants()
+    return out, done
+
+
+def drain(sched: Scheduler, runner: FakeRunner | None = None, max_steps: int = 2000) -> int:
+    """Step until nothing is unfinished; returns the number of steps. Ends with a free pool."""
+    runner = runner or FakeRunner(sched)
+    steps = 0
+    while sched.has_unfinished():
+        step(sched, runner)
+        steps += 1
+        assert steps <= max_steps, f"no progress: running={sched.running} waiting={sched.waiting}"
+    assert_all_free(sched)
+    return steps
+
+
+def assert_all_free(sched: Scheduler) -> None:
+    bm = sched.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks and bm.usage == 0.0
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    """What a sequence generates alone, with no stop condition but max_tokens."""
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        ids.append(next_token(ids))
+    return ids[len(prompt):]
