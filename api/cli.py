@@ -76,7 +76,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (default: none)")
     p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"], help="(default: info)")
+                   choices=["debug", "info", "warning", "error"],
+                   help="logging verbosity of the server and engine (default: info)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted (default: {DEFAULT_MAX_BODY_BYTES})")
     for flag, (_, kind, help_) in ENGINE_FLAGS.items():
