@@ -147,7 +147,10 @@ def converted_gguf(gguf: Path) -> Path:
             tmp.rename(target)
         except OSError:  # another process won the race; its copy is just as good
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"cannot load GGUF file {gguf}: {e}") from e
+    except BaseException:  # KeyboardInterrupt mid-conversion: still leave no half cache
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
@@ -157,22 +160,21 @@ def _convert(gguf: Path, out: Path) -> None:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    steps = tqdm(total=3, desc=f"converting {gguf.name}", unit="step")
     t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    steps.update()
-    # float32: Q4/Q8 blocks dequantize exactly into it; the runner casts to its dtype at load.
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    steps.update()
-    if getattr(model, "hf_quantizer", None) is not None:
-        # The weights are plain dense tensors now, but save_pretrained refuses while the
-        # GGUF quantizer is attached.
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    steps.update()
-    steps.close()
+    with tqdm(total=3, desc=f"converting {gguf.name}", unit="step") as steps:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        steps.update()
+        # float32: Q4/Q8 blocks dequantize exactly into it; the runner casts at load.
+        model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        steps.update()
+        if getattr(model, "hf_quantizer", None) is not None:
+            # The weights are plain dense tensors now, but save_pretrained refuses while
+            # the GGUF quantizer is attached.
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        steps.update()
     log.info("converted %s in %.1f s", gguf.name, time.perf_counter() - t0)
 
 
@@ -188,7 +190,7 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto") -> 
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)
+    hf_model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)
     hf_model = hf_model.to(dev).eval()
     log.info("loaded %s (%s, %s) in %.2f s", name, dev, dt, time.perf_counter() - t0)
     return LoadedModel(hf_model, tokenizer, model_facts(hf_model, tokenizer, name))

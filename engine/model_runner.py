@@ -65,9 +65,9 @@ class ModelRunner:
         self.max_model_len = min(self.config.scheduler.max_model_len,
                                  facts.max_position_embeddings)
         self.num_kv_blocks = self._num_blocks()
-        # One pool for all layers, allocated once: [layers, K/V, blocks, block_size, kvH, hd]
-        self.kv_cache = torch.zeros(facts.num_layers, 2, self.num_kv_blocks, self.block_size,
-                                    facts.num_kv_heads, facts.head_dim,
+        # One pool for all layers, allocated once: [layers, K/V, blocks, kvH, block_size, hd]
+        self.kv_cache = torch.zeros(facts.num_layers, 2, self.num_kv_blocks, facts.num_kv_heads,
+                                    self.block_size, facts.head_dim,
                                     dtype=self.dtype, device=self.device)
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
         self._warm_up()

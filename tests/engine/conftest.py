@@ -41,19 +41,29 @@ def build_tokenizer(folder: Path) -> None:
 
 
 def build_checkpoint(folder: Path, arch: str) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config
-    from transformers import Qwen2ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     build_tokenizer(folder)
     vocab = len(AutoTokenizer.from_pretrained(folder))
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    common = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1,
+              "pad_token_id": 1}
     torch.manual_seed(0)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
-    else:
+    elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    else:  # qwen3: q/k norms and an explicit head_dim (32 != hidden / heads)
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
     # Larger-than-default weights spread the logits, so greedy ties (fp noise flips) are rare.
     with torch.no_grad():
         for p in model.parameters():
@@ -76,7 +86,7 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_config(model: Path | str | None, **engine: object) -> EngineConfig:
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                             block_size=4)
-    opts: dict[str, object] = dict(dtype="float32", device="cpu", num_kv_blocks=128)
+    opts: dict[str, object] = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 128}
     opts.update(engine)
     return EngineConfig(model=None if model is None else str(model), scheduler=sched,
                         **opts)  # type: ignore[arg-type]
@@ -91,6 +101,16 @@ def loaded_runner(config: EngineConfig) -> ModelRunner:
 @pytest.fixture(scope="session")
 def llama_runner(tiny_llama: Path) -> ModelRunner:
     return loaded_runner(tiny_config(tiny_llama))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_runner(tiny_qwen3: Path) -> ModelRunner:
+    return loaded_runner(tiny_config(tiny_qwen3))
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ def run_case(specs: list[tuple[int, int]], seed: int) -> None:
     """specs: (already computed c, scheduled n) per sequence; n == 1 sequences are decodes."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    pool = torch.zeros(LAYERS, 2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    pool = torch.zeros(LAYERS, 2, NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM)
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     layer = 1
@@ -37,8 +37,8 @@ def run_case(specs: list[tuple[int, int]], seed: int) -> None:
         k = torch.randn(KV_HEADS, c + n, HEAD_DIM, generator=gen)
         v = torch.randn(KV_HEADS, c + n, HEAD_DIM, generator=gen)
         for p in range(c):
-            pool[layer, 0, table[p // BLOCK], p % BLOCK] = k[:, p]
-            pool[layer, 1, table[p // BLOCK], p % BLOCK] = v[:, p]
+            pool[layer, 0, table[p // BLOCK], :, p % BLOCK] = k[:, p]
+            pool[layer, 1, table[p // BLOCK], :, p % BLOCK] = v[:, p]
         tables.append(table)
         full_k.append(k)
         full_v.append(v)
@@ -66,7 +66,7 @@ def run_case(specs: list[tuple[int, int]], seed: int) -> None:
         torch.testing.assert_close(out[0, starts[i]:starts[i] + n], ref, atol=1e-5, rtol=1e-5)
     for i, (c, n) in enumerate(specs):  # the new K/V now sit in their slots
         p = c + n - 1
-        torch.testing.assert_close(pool[layer, 0, tables[i][p // BLOCK], p % BLOCK],
+        torch.testing.assert_close(pool[layer, 0, tables[i][p // BLOCK], :, p % BLOCK],
                                    full_k[i][:, p])
     assert pool[0].abs().sum() == 0  # other layers untouched
 

@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from engine import loader
-from engine.loader import (cache_root, converted_gguf, embedded_gguf, gguf_cache_dir, load_model,
-                           resolve_device, resolve_dtype, resolve_source)
+from engine.loader import (
+    cache_root,
+    converted_gguf,
+    embedded_gguf,
+    gguf_cache_dir,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_source,
+)
 
 
 def test_loads_a_checkpoint_folder(tiny_llama: Path) -> None:
@@ -65,7 +73,7 @@ def test_broken_gguf_leaves_no_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF not really")
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="broken.gguf"):
         converted_gguf(bad)
     assert not gguf_cache_dir(bad).exists()
     assert list((tmp_path / "cache").iterdir()) == []  # the temp dir was removed too

@@ -31,7 +31,7 @@ def assert_close_to_hf(ref: torch.nn.Module, seq: Sequence) -> None:
     assert (top2[:, 0] == ours[:, 0]).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("chunk", [3, 64])
 def test_tiny_models_match_hf(arch: str, chunk: int, request: pytest.FixtureRequest) -> None:
     runner: ModelRunner = request.getfixturevalue(f"{arch}_runner")
@@ -96,7 +96,7 @@ def test_prompt_logprobs_not_repeated_after_recompute(llama_runner: ModelRunner)
 def test_runner_facts_and_kv_pool(llama_runner: ModelRunner) -> None:
     r = llama_runner
     assert r.num_kv_blocks == 128 and r.block_size == 4
-    assert r.kv_cache.shape == (2, 2, 128, 4, 2, 16)  # layers, K/V, blocks, block, kvH, hd
+    assert r.kv_cache.shape == (2, 2, 128, 2, 4, 16)  # layers, K/V, blocks, kvH, block, hd
     assert r.max_model_len == 256  # min(scheduler 256, model 512)
     assert r.eos_token_ids == frozenset({1})
     assert r.vocab_size == len(r.tokenizer)
