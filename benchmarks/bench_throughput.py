@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -79,6 +80,8 @@ def run_hf(args: argparse.Namespace, dtype: str, prompts: list[list[int]],
     if k > 0:
         res["hf-single"] = run_one_at_a_time(loaded.model, None, prompts[:k], out_lens[:k])
     res["hf-static"] = run_static_batches(loaded.model, prompts, out_lens, args.batch_size)
+    for r in res.values():
+        r.pop("outputs", None)  # the token ids themselves: large and not a measurement
     return res
 
 
@@ -127,8 +130,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
+    machine = machine_info()  # before the runs: load_avg_at_start tells if the box was busy
     results = {dtype: bench_dtype(args, dtype) for dtype in args.dtype}
-    data = {"benchmark": "throughput", "args": vars(args), "machine": machine_info(),
+    machine["load_avg_at_end"] = os.getloadavg()
+    data = {"benchmark": "throughput", "args": vars(args), "machine": machine,
             "results": results}
     path = save_result("throughput", data)
     for dtype, r in results.items():
