@@ -25,13 +25,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks.common import machine_info, median, random_workload, save_result  # noqa: E402
-from benchmarks.hf_baseline import run_one_at_a_time, run_static_batches  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
+from benchmarks.common import machine_info, median, random_workload, save_result
+from benchmarks.hf_baseline import run_one_at_a_time, run_static_batches
+from engine.llm import LLM
+from engine.loader import load_model
+from scheduler.sampling_params import SamplingParams
 
 
 def parse_args() -> argparse.Namespace:

@@ -52,7 +52,7 @@ def _cpu_model() -> str:
 
 def _git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, check=False,
                              text=True, cwd=Path(__file__).parent, timeout=5)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):

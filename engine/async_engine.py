@@ -161,7 +161,7 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
                 failures = 0
-            except Exception as e:  # a failed step fails its requests, the server stays up
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, the server stays up
                 failures += 1
                 outputs = []
                 self._fail_all(e, failures)
@@ -197,7 +197,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
                                     cmd.arrival_time)
-        except Exception as e:  # PromptTooLongError, QueueFullError, ValueError -> the caller
+        except Exception as e:  # noqa: BLE001 - PromptTooLongError, QueueFullError, ValueError... -> the caller
             self._send(cmd.out, e)
             return
         # An empty delta says "accepted": the API can start the response (and learn of

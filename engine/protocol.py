@@ -14,8 +14,14 @@ from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.sampling_params import SamplingParams
 
 __all__ = [
-    "EngineClient", "EngineStats", "EngineDeadError", "PromptTooLongError", "QueueFullError",
-    "SchedulerError", "SamplingParams", "RequestOutput",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineStats",
+    "PromptTooLongError",
+    "QueueFullError",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerError",
 ]
 
 
