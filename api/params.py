@@ -97,31 +97,26 @@ def get_float(body: dict[str, Any], name: str, default: Any = None) -> Any:
     return number
 
 
-def get_bool(body: dict[str, Any], name: str, default: Any = False) -> Any:
+def _get_typed(body: dict[str, Any], name: str, default: Any, kind: type, what: str) -> Any:
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean", param=name)
+    if not isinstance(value, kind):
+        raise bad_request(f"{name} must be {what}", param=name)
     return value
+
+
+def get_bool(body: dict[str, Any], name: str, default: Any = False) -> Any:
+    return _get_typed(body, name, default, bool, "a boolean")
 
 
 def get_str(body: dict[str, Any], name: str, default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise bad_request(f"{name} must be a string", param=name)
-    return value
+    return _get_typed(body, name, default, str, "a string")
 
 
 def get_dict(body: dict[str, Any], name: str) -> dict[str, Any] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise bad_request(f"{name} must be an object", param=name)
-    return value
+    result: dict[str, Any] | None = _get_typed(body, name, None, dict, "an object")
+    return result
 
 
 def get_int_list(body: dict[str, Any], name: str, lo: int = 0,

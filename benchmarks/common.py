@@ -8,6 +8,7 @@ import platform
 import random
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -87,3 +88,114 @@ def random_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+# --- helpers for benchmarks that run servers as subprocesses (bench_serving.py) ---
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_idle(max_load: float, timeout_s: float) -> tuple[float, float, float]:
+    """Wait until the 1-minute load average is below max_load (or timeout_s passes)."""
+    deadline = time.monotonic() + timeout_s
+    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    return os.getloadavg()
+
+
+class CpuSample:
+    """Machine-wide busy CPU seconds and the part of it that is ours (this process and the
+    server's process tree), so a run can report how many cores *other* processes used."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        hz = os.sysconf("SC_CLK_TCK")
+        self.busy_s = (sum(fields[:8]) - fields[3] - fields[4]) / hz  # minus idle and iowait
+        self.ours_s = _tree_cpu_s(os.getpid()) + (_tree_cpu_s(server_pid) if server_pid else 0.0)
+
+    def foreign_cores(self, before: CpuSample, wall_s: float) -> float:
+        foreign = (self.busy_s - before.busy_s) - (self.ours_s - before.ours_s)
+        return round(max(0.0, foreign) / wall_s, 3) if wall_s > 0 else float("nan")
+
+
+def _tree_cpu_s(pid: int) -> float:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass  # exited between listing and reading
+    return total
+
+
+class ServerProcess:
+    """A server started as a subprocess in its own session on a free 127.0.0.1 port; a
+    context manager that always stops it (SIGTERM, then SIGKILL after `grace_s`)."""
+
+    def __init__(self, name: str, command_for_port: Any, grace_s: float = 15.0) -> None:
+        self.name = name
+        self.port = free_port()
+        self.command: list[str] = command_for_port(self.port)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.grace_s = grace_s
+        self.log_path = Path(tempfile.gettempdir()) / f"bench-{name}-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "server not started"
+        return self.proc.pid
+
+    def __enter__(self) -> ServerProcess:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.terminate()
+        try:
+            return self.proc.wait(self.grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
