@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-args", default="--cb-num-blocks 64 --cb-max-batch-tokens 512",
                    help="extra flags for `transformers serve` (peers-cpu.md 3d)")
     p.add_argument("--wait-idle", type=float, default=0.5,
-                   help="wait (up to --wait-idle-timeout s) for 1-min load below this first")
+                   help="first wait (up to --wait-idle-timeout s) until the 1-min load average and "
+                   "the busy cores are below this")
     p.add_argument("--wait-idle-timeout", type=float, default=180.0)
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--no-plot", action="store_true")
@@ -217,9 +218,9 @@ def plot(results: dict[str, Any], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    load = wait_for_idle(args.wait_idle, args.wait_idle_timeout)
-    print(f"load average before the run: {load}", flush=True)
-    machine = machine_info()
+    idle = wait_for_idle(args.wait_idle, args.wait_idle_timeout)
+    print(f"before the run: {idle}", flush=True)
+    machine = machine_info() | {"idle_check": idle}
     folder = model_folder()
     specs = make_specs(args, folder)
     results = {name: bench_server(name, args, folder, specs) for name in args.servers}

@@ -101,12 +101,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_idle(max_load: float, timeout_s: float) -> tuple[float, float, float]:
-    """Wait until the 1-minute load average is below max_load (or timeout_s passes)."""
+def wait_for_idle(max_load: float, timeout_s: float, window_s: float = 5.0) -> dict[str, Any]:
+    """Wait until the 1-minute load average and the busy cores measured over `window_s`
+    are both below max_load, or timeout_s passes. -> what was seen last."""
     deadline = time.monotonic() + timeout_s
-    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
-        time.sleep(5)
-    return os.getloadavg()
+    while True:
+        before = CpuSample(None)
+        time.sleep(window_s)
+        busy = round((CpuSample(None).busy_s - before.busy_s) / window_s, 3)
+        load = os.getloadavg()
+        idle = load[0] < max_load and busy < max_load
+        if idle or time.monotonic() >= deadline:
+            return {"idle": idle, "load_avg": load, "busy_cores": busy}
 
 
 class CpuSample:

@@ -125,11 +125,10 @@ class LLMEngine:
         for seq in batch.seqs:
             req = self.requests.get(seq.seq_id)
             chunk = result.prompt_logprobs.get(seq.seq_id)
-            if req is None or chunk is None or req.sent_first:
-                continue
-            if seq.num_computed_tokens == 0:  # (re)computing from the start: drop a partial list
-                req.prompt_logprobs.clear()
-            req.prompt_logprobs.extend(chunk)
+            # The runner reports each prompt position once, also across a recompute after
+            # preemption, so chunks simply append.
+            if req is not None and chunk is not None and not req.sent_first:
+                req.prompt_logprobs.extend(chunk)
 
     def _make_output(self, seq: Sequence, result: RunnerOutput) -> RequestOutput | None:
         req = self.requests.get(seq.seq_id)

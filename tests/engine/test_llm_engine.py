@@ -1,0 +1,129 @@
+"""LLMEngine behaviour on a tiny real model: prompt logprobs across chunks and preemption,
+stop strings and stop token ids, max_tokens=0 scoring, sampled logprobs, aborts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from scheduler.config import SchedulerConfig
+from scheduler.sampling_params import SamplingParams
+
+
+def make(runner: ModelRunner, num_kv_blocks: int | None = None, **sched: object) -> LLMEngine:
+    sc = SchedulerConfig(block_size=runner.block_size, **sched)  # type: ignore[arg-type]
+    cfg = EngineConfig(model=None, dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks,
+                       scheduler=sc)
+    engine = LLMEngine(cfg, runner=runner)
+    engine.load()
+    return engine
+
+
+def drain(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    bm = engine.scheduler.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+    return outs
+
+
+def hf_prompt_logprobs(folder: Path, ids: list[int]) -> torch.Tensor:
+    model = load_model(str(folder), device="cpu", dtype="float32").model
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]  # [len - 1]
+
+
+def test_prompt_logprobs_survive_chunking_and_preemption(llama_runner: ModelRunner,
+                                                         tiny_llama: Path) -> None:
+    prompt = [(7 * i) % 300 + 3 for i in range(40)]
+    scoring = SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=2)
+    filler = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    # 8-token chunks, and a pool too small for all three: the scorer gets preempted.
+    engine = make(llama_runner, num_kv_blocks=22, max_num_batched_tokens=8)
+    engine.add_request("f1", [5] * 20, filler)
+    engine.add_request("f2", [6] * 20, filler)
+    engine.add_request("score", prompt, scoring)
+    outs = drain(engine)
+    assert engine.stats().num_preemptions > 0
+    final = outs["score"][-1]
+    assert final.finish_reason == "length" and final.num_output_tokens == 0
+    got = [o for o in outs["score"] if o.prompt_logprobs is not None]
+    assert len(got) == 1
+    plp = got[0].prompt_logprobs
+    assert plp is not None and plp[0] is None and len(plp) == len(prompt)
+    want = hf_prompt_logprobs(tiny_llama, prompt)
+    ours = torch.tensor([lp.chosen.logprob for lp in plp[1:]])  # type: ignore[union-attr]
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+    assert all(lp.chosen.token_id == t for lp, t in zip(plp[1:], prompt[1:]))  # type: ignore[union-attr]
+    assert all(len(lp.top) == 2 for lp in plp[1:])  # type: ignore[union-attr]
+
+
+def test_stop_string_ends_request_and_is_excluded(llama_runner: ModelRunner) -> None:
+    engine = make(llama_runner)
+    free = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    engine.add_request("free", [10, 11, 12], free)
+    text = "".join(o.new_text for o in drain(engine)["free"])
+    assert len(text) > 6
+    stop = text[3:6]
+    engine.add_request("stopped", [10, 11, 12],
+                       SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                      stop=(stop,)))
+    outs = drain(engine)["stopped"]
+    assert "".join(o.new_text for o in outs) == text[:text.index(stop)]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+
+
+def test_stop_token_id_reported_and_not_in_text(llama_runner: ModelRunner) -> None:
+    engine = make(llama_runner)
+    engine.add_request("a", [10, 11, 12], SamplingParams(temperature=0.0, max_tokens=12,
+                                                         ignore_eos=True))
+    ids = [t for o in drain(engine)["a"] for t in o.new_token_ids]
+    stop_id = ids[4]
+    engine.add_request("b", [10, 11, 12], SamplingParams(temperature=0.0, max_tokens=12,
+                                                         ignore_eos=True,
+                                                         stop_token_ids=(stop_id,)))
+    outs = drain(engine)["b"]
+    got = [t for o in outs for t in o.new_token_ids]
+    cut = ids.index(stop_id)
+    assert got == ids[:cut + 1]  # the stop token is generated (and counted) ...
+    text = "".join(o.new_text for o in outs)
+    assert text == engine.tokenizer.decode(ids[:cut])  # ... but not part of the text
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop_id
+
+
+def test_sampled_logprobs_one_per_token(llama_runner: ModelRunner) -> None:
+    engine = make(llama_runner)
+    engine.add_request("lp", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=6,
+                                                       ignore_eos=True, logprobs=3))
+    outs = drain(engine)["lp"]
+    lps = [lp for o in outs for lp in (o.logprobs or ())]
+    ids = [t for o in outs for t in o.new_token_ids]
+    assert [lp.chosen.token_id for lp in lps] == ids
+    assert all(lp.rank == 1 and len(lp.top) == 3 and lp.top[0].token_id == lp.chosen.token_id
+               for lp in lps)  # greedy: the chosen token is the best one
+
+
+def test_abort_waiting_and_running(llama_runner: ModelRunner) -> None:
+    engine = make(llama_runner, max_num_seqs=1)
+    p = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("run", [3, 4], p)
+    engine.add_request("wait", [3, 4], p)
+    engine.step()
+    engine.step()
+    for rid in ("wait", "run"):
+        final = engine.abort_request(rid)
+        assert final is not None and final.finish_reason == "abort"
+    assert engine.abort_request("run") is None  # unknown by now: nothing to send twice
+    assert not engine.has_unfinished()
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
