@@ -99,7 +99,7 @@ def _delta(engine: EngineClient, req: CompletionRequest, group: _Group, state: C
            out: RequestOutput) -> tuple[str, list[LogprobEntry]]:
     """The text and logprob entries this delta adds; the first one carries the echo."""
     text, entries = out.new_text, token_entries(out)
-    if req.echo and not state.started:
+    if req.echo and not state.prompt_seen and out.prompt_token_ids is not None:
         text = group.echo_text + text
         if req.logprobs is not None:
             entries = _echo_entries(engine, out) + entries

@@ -25,10 +25,12 @@ class ChoiceState:
     text_offset: int = 0  # completions logprobs: characters emitted before the next token
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    started: bool = False
+    # The engine sends the prompt (ids, logprobs) once, on the first delta that carries
+    # tokens or on the final one; an earlier empty "accepted" delta does not count.
+    prompt_seen: bool = False
 
     def add(self, out: RequestOutput) -> None:
-        self.started = True
+        self.prompt_seen = self.prompt_seen or out.prompt_token_ids is not None
         self.text.append(out.new_text)
         self.num_tokens += len(out.new_token_ids)
         self.logprobs.extend(token_entries(out))

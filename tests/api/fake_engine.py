@@ -122,7 +122,9 @@ class _Run:
         self.text = ""
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        # A first empty delta, like a prefill chunk: the API must not emit it.
+        # As the real engine: an empty "accepted" delta without the prompt, then (here) an
+        # empty delta with the prompt, like a prefill chunk. The API must emit neither.
+        yield RequestOutput(self.rid, (), "")
         yield RequestOutput(self.rid, (), "", prompt_token_ids=tuple(self.ids),
                             prompt_logprobs=self._prompt_logprobs(),
                             num_prompt_tokens=len(self.ids))
