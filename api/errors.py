@@ -74,10 +74,20 @@ def from_engine_error(exc: BaseException) -> APIError:
         return APIError(503, f"The engine is not available: {exc}", type="server_error",
                         code="engine_dead")
     if isinstance(exc, ValueError):  # the engine refused a request parameter
-        return bad_request(str(exc))
+        return bad_request(str(exc), param=_named_param(str(exc)))
     logger.error("request failed in the engine", exc_info=exc)
     return APIError(500, f"The engine failed this request: {exc}", type="server_error",
                     code="internal_error")
+
+
+# Parameters the engine itself checks (against the model's vocabulary); its ValueError
+# messages start with the parameter's name.
+ENGINE_CHECKED_PARAMS = ("prompt", "logit_bias", "stop_token_ids")
+
+
+def _named_param(message: str) -> str | None:
+    first = message.split(" ", 1)[0]
+    return first if first in ENGINE_CHECKED_PARAMS else None
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:

@@ -50,6 +50,7 @@ class MergedStream:
         self._buffer: list[_Item] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._finished: set[int] = set()
+        self._failed: set[int] = set()  # refused or failed by the engine: nothing to abort
         self._closed = False
 
     async def start(self) -> None:
@@ -76,6 +77,7 @@ class MergedStream:
                 await self._queue.put((i, out))
             await self._queue.put((i, None))
         except Exception as e:  # noqa: BLE001 - the consumer decides what the client sees
+            self._failed.add(i)
             await self._queue.put((i, e))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -94,7 +96,6 @@ class MergedStream:
             if item.error is not None:
                 raise APIError(500, f"The engine failed this request: {item.error}",
                                type="server_error", code="internal_error")
-                ended.add(i)
             yield i, item
 
     async def close(self) -> None:
@@ -110,7 +111,7 @@ class MergedStream:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             for i, job in enumerate(self._jobs):
-                if i not in self._finished:
+                if i not in self._finished and i not in self._failed:
                     await self.engine.abort(job.request_id)
                     job.tracker.on_abort()
 

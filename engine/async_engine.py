@@ -135,6 +135,10 @@ class AsyncEngine:
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self.engine.runner.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"tokens: token id {bad} is out of range [0, {vocab})")
         return self._tok.decode(token_ids, skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],

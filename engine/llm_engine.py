@@ -7,6 +7,7 @@ Single-threaded by contract: AsyncEngine calls every method from its one engine 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
@@ -82,19 +83,22 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_token_ids(ids)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        self._check_token_ids("prompt", ids)
+        self._check_token_ids("logit_bias", params.logit_bias)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
         seq = Sequence(request_id, ids, params, priority, arrival_time)
         self.scheduler.add(seq)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params)
         self.requests[request_id] = _Request(seq, detok)
 
-    def _check_token_ids(self, ids: list[int]) -> None:
+    def _check_token_ids(self, field: str, ids: Iterable[int]) -> None:
+        """Token ids must exist in the model; the message starts with the field's name."""
         vocab = self.runner.vocab_size
-        if not ids:
-            raise ValueError("prompt must not be empty")
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+            raise ValueError(f"{field} token id {bad} is out of range [0, {vocab})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort in any state; returns the final (abort) delta, None if unknown or done."""
@@ -135,7 +139,9 @@ class LLMEngine:
         if req is None:
             return None
         new_ids = seq.output_token_ids[req.num_sent_tokens:]
-        text, stop_str = req.detok.step(self._text_ids(seq, new_ids))
+        # Stop strings count only from min_tokens on (vLLM), like EOS and stop token ids.
+        check_stops = seq.num_output_tokens >= seq.params.min_tokens
+        text, stop_str = req.detok.step(self._text_ids(seq, new_ids), check_stops)
         if stop_str is not None and not seq.is_finished:
             self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, stop_str)
         elif stop_str is not None:  # finished by length in the same step: the stop string wins

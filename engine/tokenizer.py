@@ -175,25 +175,30 @@ class IncrementalDetokenizer:
         self._held = ""  # decoded text not yet emitted: it may be the start of a stop string
         self._stopped = False
 
-    def step(self, new_token_ids: Sequence[int]) -> tuple[str, str | None]:
-        """Feed this step's tokens; return (text to emit now, the stop string hit or None)."""
+    def step(self, new_token_ids: Sequence[int],
+             check_stops: bool = True) -> tuple[str, str | None]:
+        """Feed this step's tokens; return (text to emit now, the stop string hit or None).
+
+        check_stops=False (before min_tokens is reached, as vLLM): stop strings are neither
+        searched nor held back in this step's text."""
         assert not self._stopped, "step() after a stop string ended the request"
+        stops = self._stops if check_stops else ()
         stale = self._pending  # ids that earlier steps could not turn into whole characters
         self._ids.extend(new_token_ids)
         end = len(self._ids)
         text = self._unread_text(end)
         unfinished = text.endswith(_REPLACEMENT) and stale <= MAX_PENDING_TOKENS
-        if self._stops:
+        if stops:
             # Look for stops even in a text whose last character is unfinished: all of it
             # but the trailing U+FFFDs is settled already.
             settled = self._held + (text.rstrip(_REPLACEMENT) if unfinished else text)
-            hit = _find_stop(settled, self._stops)
+            hit = _find_stop(settled, stops)
             if hit is not None:
                 return self._stop_at(settled, *hit)
         if unfinished:
             text, end = self._finished_part()
         self._advance(end, bool(text))
-        return self._emit(self._held + text), None
+        return self._emit(self._held + text, stops), None
 
     def flush(self) -> str:
         """The held-back text, once the request finished for a reason other than a stop."""
@@ -243,9 +248,9 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._context = None
 
-    def _emit(self, text: str) -> str:
+    def _emit(self, text: str, stops: Sequence[str]) -> str:
         """Emit all of `text` but a tail that could still become a stop string."""
-        keep = _stop_prefix_len(text, self._stops, self._max_stop_len) if self._stops else 0
+        keep = _stop_prefix_len(text, stops, self._max_stop_len) if stops else 0
         cut = len(text) - keep
         self._held = text[cut:]
         return text[:cut]

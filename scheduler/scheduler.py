@@ -89,8 +89,11 @@ class Scheduler:
 
     def _check_queue(self, n: int) -> None:
         cfg = self.config
-        if 0 < cfg.max_num_queued_reqs <= len(self.waiting):
-            raise QueueFullError(f"waiting queue is full: {len(self.waiting)} requests "
+        # Arrivals that the next step can start (free sequence slots) are not queued yet: an
+        # idle server must not refuse a burst it can run at once.
+        queued = len(self.waiting) - max(0, cfg.max_num_seqs - len(self.running))
+        if 0 < cfg.max_num_queued_reqs <= queued:
+            raise QueueFullError(f"waiting queue is full: {queued} requests "
                                  f"(max_num_queued_reqs={cfg.max_num_queued_reqs})")
         # An empty queue takes any prompt, so no prompt is refused forever.
         if cfg.max_num_queued_tokens > 0 and self.waiting \

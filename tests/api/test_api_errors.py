@@ -180,6 +180,9 @@ def test_admission_errors(error: Exception, status: int, code: str, stream: bool
             assert 'reason="queue_full"' in client.get("/metrics").text
         r = client.post("/v1/chat/completions", json={"messages": MSG, "stream": stream})
         assert_error(r, status, code=code)
+        # A refused request was never running: it is neither aborted nor counted as one.
+        assert not engine.aborted
+        assert 'finished_reason="abort"' not in client.get("/metrics").text
 
 
 def test_503_while_loading_and_when_dead() -> None:

@@ -127,3 +127,18 @@ def test_abort_waiting_and_running(llama_runner: ModelRunner) -> None:
     assert not engine.has_unfinished()
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_stop_string_waits_for_min_tokens(llama_runner: ModelRunner) -> None:
+    engine = make(llama_runner)
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("free", [10, 11, 12], free)
+    outs = drain(engine)["free"]
+    text = "".join(o.new_text for o in outs)
+    first_piece = engine.tokenizer.decode([outs[0].new_token_ids[0]])
+    assert first_piece and first_piece in text
+    engine.add_request("min", [10, 11, 12], SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, min_tokens=12, stop=(first_piece,)))
+    outs = drain(engine)["min"]
+    assert sum(len(o.new_token_ids) for o in outs) == 12  # the early match did not stop it
+    assert outs[-1].finish_reason == "length"

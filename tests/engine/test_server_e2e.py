@@ -53,6 +53,30 @@ def wait_all_free(engine: AsyncEngine, timeout: float = 10) -> None:
     raise AssertionError(f"blocks not freed: {engine.stats()}")
 
 
+def test_echo_with_logprobs_scores_the_prompt(live: tuple[str, AsyncEngine]) -> None:
+    url, engine = live
+    prompt = [5, 6, 7, 8, 9]
+    for stream in (False, True):
+        body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            lp = {"tokens": [], "token_logprobs": []}
+            for e in events:
+                for c in e["choices"]:
+                    if c.get("logprobs"):
+                        lp["tokens"] += c["logprobs"]["tokens"]
+                        lp["token_logprobs"] += c["logprobs"]["token_logprobs"]
+        else:
+            lp = r.json()["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(prompt), lp
+        assert lp["token_logprobs"][0] is None
+        assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    wait_all_free(engine)
+
+
 def test_concurrent_streams_more_than_max_num_seqs(live: tuple[str, AsyncEngine]) -> None:
     url, engine = live
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
@@ -120,6 +144,12 @@ def test_health_and_bad_input_never_500(live: tuple[str, AsyncEngine]) -> None:
     assert httpx.get(url + "/health").status_code == 200
     r = httpx.post(url + "/v1/completions", json={"prompt": [10**9], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert r.json()["error"]["param"] == "prompt"
+    for field, value in (("logit_bias", {"99999": 5}), ("stop_token_ids", [99999])):
+        r = httpx.post(url + "/v1/completions", json={"prompt": "a", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(url + "/detokenize", json={"tokens": [99999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     r = httpx.post(url + "/v1/completions", json={"prompt": "x " * 300, "max_tokens": 2})
     assert r.status_code == 400
     r = httpx.post(url + "/v1/completions", content=b"{not json")

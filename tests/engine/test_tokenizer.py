@@ -365,3 +365,13 @@ def test_property_stop_strings(smol: Tokenizer, text: str, stops: list[str], inc
     params = SamplingParams(stop=tuple(stops), include_stop_str_in_output=include)
     deltas, stop = stream(smol, [], split(ids, random.Random(seed)), params)
     assert ("".join(deltas), stop) == reference_stop(text, stops, include)
+
+
+def test_stop_strings_ignored_while_not_checked(smol: Tokenizer) -> None:
+    """Before min_tokens (check_stops=False) a stop string neither stops nor is held back."""
+    ids = smol.encode("one two one two", add_special_tokens=False)
+    detok = IncrementalDetokenizer(smol, [], SamplingParams(stop=(" two",)))
+    first, hit = detok.step(ids[:2], check_stops=False)  # "one two": passes through whole
+    assert (first, hit) == ("one two", None)
+    rest, hit = detok.step(ids[2:])
+    assert (rest, hit) == (" one", " two")

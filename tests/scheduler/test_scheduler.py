@@ -233,12 +233,16 @@ def test_too_long_prompts_are_refused() -> None:
 
 
 def test_queue_bounds() -> None:
-    sched = make_sched(max_num_queued_reqs=2)
-    sched.add(make_seq("a", 4))
-    sched.add(make_seq("b", 4))
+    sched = make_sched(max_num_queued_reqs=2, max_num_seqs=2)
+    for name in "abcd":  # a and b fill the two free slots at the next step: not queued
+        sched.add(make_seq(name, 4))
     with pytest.raises(QueueFullError, match="2 requests"):
-        sched.add(make_seq("c", 4))
-    drain(sched)
+        sched.add(make_seq("e", 4))
+    runner = FakeRunner(sched)
+    step(sched, runner)  # a, b run; c, d wait: still full
+    with pytest.raises(QueueFullError, match="2 requests"):
+        sched.add(make_seq("f", 4))
+    drain(sched, runner)
     sched = make_sched(max_num_queued_tokens=10)
     sched.add(make_seq("big", 30))  # an empty queue takes any prompt
     with pytest.raises(QueueFullError, match="30 queued tokens"):
