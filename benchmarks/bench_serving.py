@@ -30,8 +30,14 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (CpuSample, ServerProcess, machine_info, random_workload,
-                               save_result, wait_for_idle)
+from benchmarks.common import (
+    CpuSample,
+    ServerProcess,
+    machine_info,
+    random_workload,
+    save_result,
+    wait_for_idle,
+)
 from benchmarks.serving_load import RequestSpec, compute_metrics, run_load, send_request
 
 VENV_BIN = Path(sys.executable).parent

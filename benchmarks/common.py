@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -123,7 +123,8 @@ class CpuSample:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         hz = os.sysconf("SC_CLK_TCK")
         self.busy_s = (sum(fields[:8]) - fields[3] - fields[4]) / hz  # minus idle and iowait
-        self.ours_s = _tree_cpu_s(os.getpid()) + (_tree_cpu_s(server_pid) if server_pid else 0.0)
+        me = os.times()  # this process only: the server is our child, counted just below
+        self.ours_s = me.user + me.system + (_tree_cpu_s(server_pid) if server_pid else 0.0)
 
     def foreign_cores(self, before: CpuSample, wall_s: float) -> float:
         foreign = (self.busy_s - before.busy_s) - (self.ours_s - before.ours_s)
@@ -166,7 +167,7 @@ class ServerProcess:
         assert self.proc is not None, "server not started"
         return self.proc.pid
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
