@@ -8,7 +8,9 @@ inside main() so that importing api.* never loads torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +50,8 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
                                 "waiting prompt tokens before 429, 0 = unbounded (default 0)"),
     "--scheduling-policy": ("policy", str, "fcfs | priority (default: fcfs)"),
     "--seed": ("seed", int, "engine random seed (default 0)"),
-    "--num-threads": ("num_threads", int, "torch CPU threads (default: all cores)"),
+    "--num-threads": ("num_threads", int,
+                      "torch CPU threads (default: all cores but one, left to the HTTP server)"),
 }
 
 
@@ -107,6 +110,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve(args)
 
 
+def serving_threads() -> int:
+    """All usable cores but one: torch's OpenMP threads stall whenever another thread takes
+    one of their cores, and the event loop (HTTP, SSE) needs a core for every token. On the
+    2-core box, 1 thread gave +14% output tok/s at concurrency 1 and the same at 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -115,6 +129,8 @@ def serve(args: argparse.Namespace) -> None:
     from engine.config import load_config
 
     config = load_config(args.config, **config_overrides(args))
+    if config.num_threads is None:
+        config = dataclasses.replace(config, num_threads=serving_threads())
     engine = AsyncEngine(config)
     app = create_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes)

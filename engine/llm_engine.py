@@ -138,7 +138,7 @@ class LLMEngine:
         req = self.requests.get(seq.seq_id)
         if req is None:
             return None
-        new_ids = seq.output_token_ids[req.num_sent_tokens:]
+        new_ids = seq.token_ids[seq.num_prompt_tokens + req.num_sent_tokens:]
         # Stop strings count only from min_tokens on (vLLM), like EOS and stop token ids.
         check_stops = seq.num_output_tokens >= seq.params.min_tokens
         text, stop_str = req.detok.step(self._text_ids(seq, new_ids), check_stops)
