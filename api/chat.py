@@ -50,9 +50,9 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 def render_chat(engine: EngineClient, messages: list[dict[str, Any]],
-                add_generation_prompt: bool) -> list[int]:
-    """The chat template's text, tokenized without extra special tokens (the template has
-    its own BOS where the model wants one)."""
+                add_generation_prompt: bool, add_special_tokens: bool = False) -> list[int]:
+    """The chat template's text, tokenized; by default without extra special tokens (the
+    template has its own BOS where the model wants one)."""
     try:
         text = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except APIError:
@@ -60,7 +60,7 @@ def render_chat(engine: EngineClient, messages: list[dict[str, Any]],
     except Exception as e:  # noqa: BLE001 - templates raise anything on the client's input
         raise bad_request(f"messages cannot be rendered by the chat template: {e}",
                           param="messages") from None
-    return tokenize_text(engine, text, add_special_tokens=False, param="messages")
+    return tokenize_text(engine, text, add_special_tokens=add_special_tokens, param="messages")
 
 
 def _jobs(app: AppState, req: ChatRequest, prompt: list[int], rid: str) -> list[Job]:

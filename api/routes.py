@@ -61,11 +61,8 @@ def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
         return tokenize_text(app.engine, prompt, get_bool(body, "add_special_tokens", True),
                              "prompt")
     messages = parse_messages(body["messages"])
-    if get_bool(body, "add_special_tokens", False):
-        text = app.engine.apply_chat_template(
-            messages, add_generation_prompt=get_bool(body, "add_generation_prompt", True))
-        return tokenize_text(app.engine, text, True, "messages")
-    return render_chat(app.engine, messages, get_bool(body, "add_generation_prompt", True))
+    return render_chat(app.engine, messages, get_bool(body, "add_generation_prompt", True),
+                       get_bool(body, "add_special_tokens", False))
 
 
 async def detokenize(request: Request) -> Response:

@@ -13,10 +13,12 @@ from typing import Any
 
 from api.errors import APIError, bad_request, from_value_error
 from api.params import INT64_MAX, check_int, get_bool, get_float, get_int, get_int_list
-from scheduler.sampling_params import SamplingParams
+from engine.protocol import SamplingParams
 
 MAX_N = 128  # choices per prompt; beyond that one request could monopolise the batch
 MAX_STOP = 16  # OpenAI allows 4; vLLM has no cap
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's own cap
 MAX_LOGPROBS = 20
 
 # Field name -> JSON type, for the unknown-field check and the OpenAPI document.
@@ -58,7 +60,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingArgs
         "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output", False),
         "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
         "stop": parse_stop(body.get("stop")),
-        "stop_token_ids": tuple(get_int_list(body, "stop_token_ids") or ()),
+        "stop_token_ids": parse_stop_token_ids(body),
         "logit_bias": parse_logit_bias(body.get("logit_bias")),
     }
     if body.get("user") is not None and not isinstance(body["user"], str):
@@ -78,11 +80,21 @@ def parse_stop(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def parse_stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
+    ids = tuple(get_int_list(body, "stop_token_ids") or ())
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids accepts at most {MAX_STOP_TOKEN_IDS} ids",
+                          param="stop_token_ids")
+    return ids
+
+
 def parse_logit_bias(value: Any) -> dict[int, float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise bad_request("logit_bias must be an object of token id -> bias", param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:  # every entry costs work in every step of the request
+        raise bad_request(f"logit_bias accepts at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
     bias: dict[int, float] = {}
     for key, b in value.items():
         try:

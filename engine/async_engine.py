@@ -10,6 +10,7 @@ blocks are freed at the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import logging
@@ -106,6 +107,8 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         self._check_alive()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
         out: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = out
         self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic(), out))
@@ -128,6 +131,8 @@ class AsyncEngine:
     def _check_alive(self) -> None:
         if self._dead:
             raise EngineDeadError(self._dead)
+        if self._thread is not None and not self._thread.is_alive():
+            raise EngineDeadError("the engine loop is not running")
         if not self._ready:
             raise EngineDeadError("the engine is not ready (model still loading)")
 
@@ -157,10 +162,23 @@ class AsyncEngine:
     # ---- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        """The engine thread. Whatever ends it, every waiting client is told (never a hang)."""
+        reason: BaseException = EngineDeadError("server shutting down")
+        try:
+            self._loop_steps()
+        except BaseException as e:
+            logger.exception("engine loop crashed")
+            self._dead = f"engine loop crashed: {e}"
+            reason = EngineDeadError(self._dead)
+        finally:
+            for request_id in list(self.engine.requests):  # free everything
+                self.engine.abort_request(request_id)
+            self._fail_on_loop(None, reason)
+
+    def _loop_steps(self) -> None:
         failures = 0
-        while True:
-            if not self._drain_inbox(block=not self.engine.has_unfinished()):
-                break
+        while self._drain_inbox(block=not self.engine.has_unfinished()):
+            in_flight = list(self.engine.requests)
             self._busy_since = time.monotonic()
             try:
                 outputs = self.engine.step()
@@ -168,14 +186,12 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, the server stays up
                 failures += 1
                 outputs = []
-                self._fail_all(e, failures)
+                self._fail_step(e, failures, in_flight)
             finally:
                 self._busy_since = None
             self._stats = self.engine.stats()
             if outputs:
                 self._deliver(outputs)
-        for request_id in list(self.engine.requests):  # shutting down: free everything
-            self.engine.abort_request(request_id)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds/aborts; when idle, wait for work. False = shut down."""
@@ -208,16 +224,30 @@ class AsyncEngine:
         # admission errors) without waiting for the first token.
         self._deliver([RequestOutput(cmd.request_id, (), "")])
 
-    def _fail_all(self, error: Exception, failures: int) -> None:
+    def _fail_step(self, error: Exception, failures: int, in_flight: list[str]) -> None:
+        """Fail every request that was in the step (also those it finished before failing:
+        their final delta was never built), and free their blocks."""
         logger.error("engine step failed (%d in a row): %s", failures,
                      "".join(traceback.format_exception(error)))
         if failures >= MAX_CONSECUTIVE_FAILURES:
             self._dead = f"engine loop died: {error}"
-        for request_id in list(self.engine.requests):
+        for request_id in in_flight:
             self.engine.abort_request(request_id)
-            q = self._queues.get(request_id)
-            if q is not None:
-                self._send(q, RuntimeError(f"engine step failed: {error}"))
+        self._fail_on_loop(in_flight, RuntimeError(f"engine step failed: {error}"))
+
+    def _fail_on_loop(self, request_ids: list[str] | None, error: BaseException) -> None:
+        """Send `error` to these requests' queues (None: all), on the event loop's thread,
+        which owns the queue table."""
+        def fail() -> None:
+            ids = list(self._queues) if request_ids is None else request_ids
+            for request_id in ids:
+                q = self._queues.get(request_id)
+                if q is not None:
+                    q.put_nowait(error)
+
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody waits
+                self._loop.call_soon_threadsafe(fail)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         assert self._loop is not None

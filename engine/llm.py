@@ -62,11 +62,16 @@ class LLM:
         """Run every prompt to completion (continuous batching), results in prompt order."""
         plist = _broadcast(params, len(prompts))
         results: dict[str, Completion] = {}
-        for prompt, p in zip(prompts, plist):
-            rid = f"offline-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(rid, prompt, p)
-            results[rid] = Completion(rid)
+        try:
+            for prompt, p in zip(prompts, plist):
+                rid = f"offline-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, prompt, p)
+                results[rid] = Completion(rid)
+        except Exception:  # a bad prompt: take back the ones already queued, then report it
+            for rid in results:
+                self.engine.abort_request(rid)
+            raise
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():

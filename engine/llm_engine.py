@@ -89,9 +89,9 @@ class LLMEngine:
         self._check_token_ids("logit_bias", params.logit_bias)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         seq = Sequence(request_id, ids, params, priority, arrival_time)
-        self.scheduler.add(seq)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params)
-        self.requests[request_id] = _Request(seq, detok)
+        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params))
+        self.scheduler.add(seq)  # last: nothing after it may fail and orphan the sequence
+        self.requests[request_id] = req
 
     def _check_token_ids(self, field: str, ids: Iterable[int]) -> None:
         """Token ids must exist in the model; the message starts with the field's name."""

@@ -19,6 +19,7 @@ from engine.attention import AttentionMetadata, build_metadata
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.runner_output import RunnerOutput
+from engine.sampler import Sampler, compute_prompt_logprobs
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence
 
@@ -47,8 +48,6 @@ class ModelRunner:
     # ------------------------------------------------------------------ loading
 
     def load(self) -> None:
-        from engine.sampler import Sampler
-
         torch.set_num_threads(self.config.num_threads or _usable_cores())
         torch.manual_seed(self.config.seed)
         attention.register()
@@ -63,7 +62,7 @@ class ModelRunner:
         self.eos_token_ids = facts.eos_token_ids
         self.model_display_name = facts.display_name
         self.max_model_len = min(self.config.scheduler.max_model_len,
-                                 facts.max_position_embeddings)
+                                 facts.max_position_embeddings, self._sliding_window_cap())
         self.num_kv_blocks = self._num_blocks()
         # One pool for all layers, allocated once: [layers, K/V, blocks, kvH, block_size, hd]
         self.kv_cache = torch.zeros(facts.num_layers, 2, self.num_kv_blocks, facts.num_kv_heads,
@@ -73,6 +72,17 @@ class ModelRunner:
         self._warm_up()
         log.info("model %s on %s (%s): %d KV blocks of %d tokens", self.model_display_name,
                  self.device, self.dtype, self.num_kv_blocks, self.block_size)
+
+    def _sliding_window_cap(self) -> int:
+        """Our attention is always full: on a sliding-window model (Mistral v0.1) it is only
+        exact up to the window, so sequences are capped there rather than silently wrong."""
+        cfg = self.model.config.get_text_config()
+        window = getattr(cfg, "sliding_window", None)
+        if not window or getattr(cfg, "use_sliding_window", True) is False:
+            return 1 << 62
+        log.warning("sliding-window attention (window %d) is not implemented: max_model_len "
+                    "is capped at the window", window)
+        return int(window)
 
     def _block_bytes(self) -> int:
         f = self.facts
@@ -210,8 +220,6 @@ class ModelRunner:
 
     def _prompt_logprobs(self, batch: SchedulerOutput, step: StepInputs, logits: torch.Tensor,
                          output: RunnerOutput) -> None:
-        from engine.sampler import compute_prompt_logprobs
-
         for i, (row, targets) in step.prompt_rows.items():
             seq = batch.seqs[i]
             target = torch.tensor(targets, dtype=torch.long, device=logits.device)

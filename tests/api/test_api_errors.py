@@ -55,6 +55,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "a", "stop": ["x"] * 17}, "stop"),
     ({"prompt": "a", "stop": [""]}, "stop"),
     ({"prompt": "a", "stop_token_ids": [-3]}, "stop_token_ids"),
+    ({"prompt": "a", "stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"prompt": "a", "seed": 2**70}, "seed"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "presence_penalty": 3}, "presence_penalty"),

@@ -69,6 +69,10 @@ def test_tokenize_and_detokenize(client: TestClient) -> None:
     assert client.post("/detokenize", json={"tokens": [2**40]}).status_code == 400
     assert client.post("/detokenize", json={"tokens": "ab"}).json()["error"]["param"] == "tokens"
     assert client.post("/tokenize", json={}).status_code == 400
+    for special in (False, True):  # a template that refuses the messages is the client's 400
+        r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "RAISE"}],
+                                           "add_special_tokens": special})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
 def test_openapi_lists_every_route(client: TestClient) -> None:

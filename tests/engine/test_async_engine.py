@@ -224,3 +224,41 @@ def test_stuck_step_fails_health(llama_runner: ModelRunner, monkeypatch: pytest.
             await eng.shutdown()
 
     run_async(main())
+
+
+def test_crash_outside_step_kills_engine_but_never_hangs_clients(llama_runner: ModelRunner) -> None:
+    async def main() -> None:
+        eng = make(llama_runner)
+        await eng.start()
+        try:
+            def boom() -> None:
+                raise RuntimeError("stats broke")
+
+            eng.engine.stats = boom  # type: ignore[method-assign]  # a bug outside step()
+            with pytest.raises(EngineDeadError):
+                await collect(eng.generate("x", [3, 4, 5], GREEDY))
+            assert not eng.is_ready()
+            with pytest.raises(EngineDeadError):
+                await collect(eng.generate("y", [3, 4, 5], GREEDY))
+        finally:
+            await eng.shutdown()
+
+    run_async(main())
+
+
+def test_duplicate_request_id_is_refused(llama_runner: ModelRunner) -> None:
+    async def main() -> None:
+        eng = make(llama_runner)
+        await eng.start()
+        try:
+            slow = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+            first = eng.generate("same", [3, 4], slow)
+            await first.__anext__()
+            with pytest.raises(ValueError, match="already in use"):
+                await collect(eng.generate("same", [3, 4], slow))
+            assert len(tokens(await collect(first))) == 30  # the first one is untouched
+            await wait_idle(eng)
+        finally:
+            await eng.shutdown()
+
+    run_async(main())
