@@ -112,8 +112,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def serving_threads() -> int:
     """All usable cores but one: torch's OpenMP threads stall whenever another thread takes
-    one of their cores, and the event loop (HTTP, SSE) needs a core for every token. On the
-    2-core box, 1 thread gave +14% output tok/s at concurrency 1 and the same at 16."""
+    one of their cores, and the event loop (HTTP, SSE) needs a core for every token (vLLM's
+    CPU backend also leaves cores to its API server). On the 2-core box, one pair of runs
+    gave 1 thread +14% output tok/s at concurrency 1 and the same at 16 (noisy host)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
