@@ -40,6 +40,7 @@ class Tokenizer:
         self.has_chat_template: bool = bool(getattr(hf_tokenizer, "chat_template", None))
         self._special_ids = frozenset(hf_tokenizer.all_special_ids)
         self._decoder_kind = _decoder_kind(hf_tokenizer)
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -57,6 +58,12 @@ class Tokenizer:
         "bytes:\\xe4\\xb8", as OpenAI does; other tokens as their decoded text, with the
         leading space that SentencePiece's decode would drop at the start of a text.
         """
+        text = self._token_texts.get(token_id)
+        if text is None:  # logprobs ask for up to 21 tokens per sequence per step: cache
+            text = self._token_texts[token_id] = self._spell(token_id)
+        return text
+
+    def _spell(self, token_id: int) -> str:
         raw = self._token_bytes(token_id)
         if raw is None:
             return self.decode([token_id], skip_special_tokens=False)
