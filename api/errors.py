@@ -51,8 +51,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_value_error(exc: ValueError) -> APIError:
     """SamplingParams (and our parsers) start every message with the field's name."""
     message = str(exc)
-    param = message.split(" ", 1)[0] if message else None
-    return bad_request(message, param=param)
+    return bad_request(message, param=_leading_word(message) or None)
 
 
 def not_ready() -> APIError:
@@ -86,8 +85,12 @@ ENGINE_CHECKED_PARAMS = ("prompt", "logit_bias", "stop_token_ids")
 
 
 def _named_param(message: str) -> str | None:
-    first = message.split(" ", 1)[0]
+    first = _leading_word(message)
     return first if first in ENGINE_CHECKED_PARAMS else None
+
+
+def _leading_word(message: str) -> str:
+    return message.split(" ", 1)[0]
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:

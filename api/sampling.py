@@ -13,13 +13,15 @@ from typing import Any
 
 from api.errors import APIError, bad_request, from_value_error
 from api.params import INT64_MAX, check_int, get_bool, get_float, get_int, get_int_list
-from engine.protocol import SamplingParams
+from engine.protocol import (
+    MAX_LOGPROBS,  # noqa: F401 - one cap, shared with the engine (re-exported)
+    SamplingParams,
+)
 
 MAX_N = 128  # choices per prompt; beyond that one request could monopolise the batch
 MAX_STOP = 16  # OpenAI allows 4; vLLM has no cap
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's own cap
-MAX_LOGPROBS = 20
 
 # Field name -> JSON type, for the unknown-field check and the OpenAPI document.
 SAMPLING_FIELDS: dict[str, str] = {

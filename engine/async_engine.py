@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import itertools
 import logging
 import queue
 import threading
@@ -66,7 +65,6 @@ class AsyncEngine:
         self._ready = False
         self._dead: str | None = None
         self._busy_since: float | None = None
-        self._ids = itertools.count()
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -140,10 +138,7 @@ class AsyncEngine:
         return self._tok.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenize(self, token_ids: list[int]) -> str:
-        vocab = self.engine.runner.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"tokens: token id {bad} is out of range [0, {vocab})")
+        self.engine.check_token_ids("tokens", token_ids)
         return self._tok.decode(token_ids, skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
@@ -263,8 +258,6 @@ class AsyncEngine:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(q.put_nowait, item)
 
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
 
 
 def default_model_name(model: str | None) -> str:

@@ -85,15 +85,15 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
-        self._check_token_ids("prompt", ids)
-        self._check_token_ids("logit_bias", params.logit_bias)
-        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self.check_token_ids("prompt", ids)
+        self.check_token_ids("logit_bias", params.logit_bias)
+        self.check_token_ids("stop_token_ids", params.stop_token_ids)
         seq = Sequence(request_id, ids, params, priority, arrival_time)
         req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params))
         self.scheduler.add(seq)  # last: nothing after it may fail and orphan the sequence
         self.requests[request_id] = req
 
-    def _check_token_ids(self, field: str, ids: Iterable[int]) -> None:
+    def check_token_ids(self, field: str, ids: Iterable[int]) -> None:
         """Token ids must exist in the model; the message starts with the field's name."""
         vocab = self.runner.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)

@@ -6,14 +6,15 @@ Torch-free on purpose: importing this module must not load torch or transformers
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine.outputs import RequestOutput
 from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
+    "MAX_LOGPROBS",
     "EngineClient",
     "EngineDeadError",
     "EngineStats",
@@ -41,7 +42,6 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_steps: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:
