@@ -32,7 +32,8 @@ logger = logging.getLogger("pagedserve.api")
 
 def create_app(engine: EngineClient, *, served_model_name: str | None = None,
                api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               request_timeout: float | None = None) -> Starlette:
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
@@ -47,7 +48,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None,
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     app.state.pagedserve = AppState(engine, ServerMetrics(engine),
-                                    served_model_name or engine.model_name, max_body_bytes)
+                                    served_model_name or engine.model_name, max_body_bytes,
+                                    request_timeout)
     return app
 
 
@@ -73,17 +75,18 @@ async def _start(engine: EngineClient) -> None:
 
 
 class APIKeyMiddleware:
-    """With --api-key, /v1/* and the tokenizer routes need `Authorization: Bearer KEY`
-    (/health and /metrics stay open for probes and scrapers, as in vLLM)."""
+    """With --api-key, every route needs `Authorization: Bearer KEY` except /health and
+    /metrics (open for probes and scrapers). An allowlist, so a new route is protected by
+    default; the key is compared in constant time."""
 
-    PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+    OPEN = frozenset({"/health", "/metrics"})
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 error = APIError(401, "Incorrect or missing API key (Authorization: Bearer).",

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from api.completions import CLIENT_CLOSED
-from api.errors import APIError, bad_request
+from api.errors import CLIENT_CLOSED, APIError, bad_request
 from api.params import read_json
 from api.protocol_chat import ChatRequest, parse_chat
 from api.responses import (
@@ -31,13 +31,16 @@ CHUNK = "chat.completion.chunk"
 
 
 async def create_chat_completion(request: Request) -> Response:
+    arrival = time.monotonic()
     app = AppState.of(request)
     req = parse_chat(await read_json(request, app.max_body_bytes))
     app.check_model(req.model)
-    app.check_ready()
+    app.check_admitting()
     prompt = render_chat(app.engine, req.messages, req.add_generation_prompt)
     rid, created = new_request_id("chatcmpl"), now()
-    stream = await start_stream(app.engine, _jobs(app, req, prompt, rid), app.metrics)
+    deadline = app.deadline(arrival, req.sampling.timeout)
+    stream = await start_stream(app.engine, _jobs(app, req, prompt, rid, deadline),
+                                app.metrics, app.lifecycle)
     head = (rid, created, app.served_model_name)
     if req.stream:
         return sse_response(_events(stream, req, len(prompt), head), stream.close)
@@ -63,12 +66,13 @@ def render_chat(engine: EngineClient, messages: list[dict[str, Any]],
     return tokenize_text(engine, text, add_special_tokens=add_special_tokens, param="messages")
 
 
-def _jobs(app: AppState, req: ChatRequest, prompt: list[int], rid: str) -> list[Job]:
+def _jobs(app: AppState, req: ChatRequest, prompt: list[int], rid: str,
+          deadline: float | None) -> list[Job]:
     max_tokens = check_context(len(prompt), req.sampling.max_tokens, app.engine.max_model_len,
                                "messages")
     params = build_params(req.sampling, max_tokens, logprobs=req.logprobs)
     return [Job(f"{rid}-{i}", prompt, p, req.sampling.priority,
-                app.metrics.tracker(len(prompt))) for i, p in enumerate(params)]
+                app.metrics.tracker(len(prompt)), deadline) for i, p in enumerate(params)]
 
 
 def _logprobs(req: ChatRequest, state_entries: list[Any]) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from api.server import DEFAULT_SHUTDOWN_TIMEOUT_S
 from api.state import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger("pagedserve")
@@ -44,6 +45,10 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--long-prefill-token-threshold": ("long_prefill_token_threshold", int,
                                        (f"max tokens one prefill may take per step, 0 = no cap "
                                         f"({PRESET}, else 0)")),
+    "--decode-step-prefill-tokens": ("decode_step_prefill_tokens", int,
+                                     ("prompt tokens one step may take while other sequences "
+                                      "decode, so long prompts cannot stall their streams; "
+                                      f"0 = only the step budget ({PRESET}, else 0)")),
     "--max-num-queued-reqs": ("max_num_queued_reqs", int,
                               "waiting requests before 429, 0 = unbounded (default 0)"),
     "--max-num-queued-tokens": ("max_num_queued_tokens", int,
@@ -77,12 +82,22 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: none)")
+                   help="require `Authorization: Bearer KEY` on every route but /health and "
+                   "/metrics (default: none)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="logging verbosity of the server and engine (default: info)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body accepted (default: {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--request-timeout", type=_positive_float, default=None,
+                   help="seconds a request may take from arrival: still queued then, it fails "
+                   "with 503; already generating, it ends with what it has and "
+                   "finish_reason \"timeout\"; a request's own `timeout` field can only "
+                   "shorten it (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=_positive_float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish while new "
+                   "ones get 503; the rest then end with an error (default: "
+                   f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
     for flag, (_, kind, help_) in ENGINE_FLAGS.items():
         extra: dict[str, Any] = {}
         if flag == "--scheduling-policy":
@@ -93,6 +108,13 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help=f"reuse KV blocks of shared prompt prefixes ({PRESET}, "
                    "else on)")
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,6 +148,8 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from api.app import create_app
+    from api.server import GracefulServer
+    from api.state import AppState
     from engine.async_engine import AsyncEngine  # torch loads here, not at import
     from engine.config import load_config
 
@@ -134,7 +158,9 @@ def serve(args: argparse.Namespace) -> None:
         config = dataclasses.replace(config, num_threads=serving_threads())
     engine = AsyncEngine(config)
     app = create_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
     logger.info("serving %s at http://%s:%d/v1 (loading the model in the background; "
                 "/health answers 200 once ready)", engine.model_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    http = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_graceful_shutdown=10)
+    GracefulServer(http, AppState.of_app(app).lifecycle, args.shutdown_timeout).run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from api.errors import bad_request
+from api.errors import CLIENT_CLOSED, bad_request
 from api.params import read_json
 from api.protocol_completion import CompletionRequest, Prompt, parse_completion
 from api.responses import (
@@ -28,8 +29,6 @@ from api.streams import Job, MergedStream, run_unless_disconnected, start_stream
 from engine.outputs import RequestOutput
 from engine.protocol import EngineClient
 
-CLIENT_CLOSED = 499  # nginx's code; nobody reads it, the client is gone
-
 
 @dataclass(frozen=True, slots=True)
 class _Group:
@@ -47,13 +46,15 @@ class _Meta:
 
 
 async def create_completion(request: Request) -> Response:
+    arrival = time.monotonic()
     app = AppState.of(request)
     req = parse_completion(await read_json(request, app.max_body_bytes))
     app.check_model(req.model)
-    app.check_ready()
+    app.check_admitting()
     groups = [_prepare(app.engine, p, req.echo) for p in req.prompts]
     meta = _Meta(new_request_id("cmpl"), now(), app.served_model_name)
-    stream = await start_stream(app.engine, _jobs(app, req, groups, meta.id), app.metrics)
+    jobs = _jobs(app, req, groups, meta.id, app.deadline(arrival, req.sampling.timeout))
+    stream = await start_stream(app.engine, jobs, app.metrics, app.lifecycle)
     if req.stream:
         return sse_response(_events(stream, req, groups, meta), stream.close)
     try:
@@ -74,7 +75,8 @@ def _prepare(engine: EngineClient, prompt: Prompt, echo: bool) -> _Group:
         raise bad_request(f"prompt contains invalid token ids: {e}", param="prompt") from None
 
 
-def _jobs(app: AppState, req: CompletionRequest, groups: list[_Group], rid: str) -> list[Job]:
+def _jobs(app: AppState, req: CompletionRequest, groups: list[_Group], rid: str,
+          deadline: float | None) -> list[Job]:
     jobs: list[Job] = []
     for group in groups:
         max_tokens = check_context(len(group.token_ids), req.sampling.max_tokens,
@@ -84,7 +86,7 @@ def _jobs(app: AppState, req: CompletionRequest, groups: list[_Group], rid: str)
                                    prompt_logprobs=prompt_logprobs):
             tracker = app.metrics.tracker(len(group.token_ids))
             jobs.append(Job(f"{rid}-{len(jobs)}", group.token_ids, params,
-                            req.sampling.priority, tracker))
+                            req.sampling.priority, tracker, deadline))
     return jobs
 
 

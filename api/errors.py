@@ -7,19 +7,22 @@ Anything a client can send ends as a 4xx; a 500 means a bug in the server.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from engine.protocol import EngineDeadError, PromptTooLongError, QueueFullError
 
 logger = logging.getLogger("pagedserve.api")
 
-RETRY_AFTER_S = 1  # what a 429 tells the client to wait; the queue drains at step speed
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody reads it
+RETRY_AFTER_S = 1  # a 429's Retry-After when the engine gave no estimate
 
 
 @dataclass(eq=False)
@@ -32,6 +35,9 @@ class APIError(Exception):
     param: str | None = None
     code: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    # The label of pagedserve:admission_rejections when this error refuses a request
+    # (None: not an admission refusal). Not part of the body.
+    reason: str | None = None
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -41,7 +47,15 @@ class APIError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ErrorResponse(JSONResponse):
+    """An error body with non-ASCII escaped: messages may quote the client's own text, and
+    JSON lets that carry a lone surrogate ("\\ud800"), which UTF-8 cannot encode (a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -64,14 +78,16 @@ def from_engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, PromptTooLongError):
-        return bad_request(str(exc), param="prompt", code="context_length_exceeded")
+        return APIError(400, str(exc), param="prompt", code="context_length_exceeded",
+                        reason="prompt_too_long")
     if isinstance(exc, QueueFullError):
+        retry = math.ceil(exc.retry_after_s) if exc.retry_after_s else RETRY_AFTER_S
         return APIError(429, f"The server is overloaded, retry later: {exc}",
                         type="rate_limit_error", code="rate_limit_exceeded",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
+                        headers={"Retry-After": str(retry)}, reason=exc.limit)
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not available: {exc}", type="server_error",
-                        code="engine_dead")
+                        code="engine_dead", reason="engine_dead")
     if isinstance(exc, ValueError):  # the engine refused a request parameter
         return bad_request(str(exc), param=_named_param(str(exc)))
     logger.error("request failed in the engine", exc_info=exc)
@@ -117,8 +133,16 @@ async def server_error_handler(request: Request, exc: Exception) -> Response:
                     code="internal_error").response()
 
 
+async def client_gone_handler(request: Request, exc: Exception) -> Response:
+    """The client hung up while its body was being read: its doing, not a server error
+    (nothing reached the engine; the answer goes nowhere)."""
+    logger.debug("client went away while sending %s", request.url.path)
+    return Response(status_code=CLIENT_CLOSED)
+
+
 EXCEPTION_HANDLERS = {
     APIError: api_error_handler,
     HTTPException: http_error_handler,
+    ClientDisconnect: client_gone_handler,
     Exception: server_error_handler,
 }

@@ -66,6 +66,8 @@ class ServerMetrics:
                                          registry=r)
         self.request_success = Counter(P + "request_success", "Finished requests.",
                                        ["finished_reason"], registry=r)
+        # reason: max_num_queued_reqs | max_num_queued_tokens | prompt_too_long |
+        # engine_dead | shutting_down | queue_timeout (admitted, deadline passed in the queue)
         self.rejections = Counter(P + "admission_rejections", "Requests refused at admission.",
                                   ["reason"], registry=r)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
@@ -112,6 +114,8 @@ class RequestTracker:
         self._m.e2e.observe(time.monotonic() - self._arrival)
 
     def _finish(self, out: RequestOutput, now: float) -> None:
+        if out.error_code == "queue_timeout":  # admitted, but refused late: never ran
+            self._m.rejections.labels(reason="queue_timeout").inc()
         self._m.prompt_tokens.inc(self._num_prompt_tokens)
         self._m.request_success.labels(finished_reason=out.finish_reason).inc()
         self._m.e2e.observe(now - self._arrival)

@@ -40,8 +40,9 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
-        # NaN/Infinity are not JSON; Python accepts them unless told otherwise.
-        body = json.loads(raw, parse_constant=_reject_constant)
+        # JSON on the wire is UTF-8 (RFC 8259; a BOM is tolerated): json.loads(bytes) would
+        # also guess UTF-16/32. NaN/Infinity are not JSON; Python accepts them unless told.
+        body = json.loads(raw.decode("utf-8-sig"), parse_constant=_reject_constant)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise bad_request(f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):

@@ -17,6 +17,7 @@ from api.sampling import (
 )
 
 MAX_CHOICES = 256  # prompts x n in one request
+MAX_PROMPTS = MAX_CHOICES  # prompts in one request (a batch of strings or of token-id lists)
 
 COMPLETION_FIELDS: dict[str, str] = {
     **SAMPLING_FIELDS, "prompt": "string|array", "echo": "boolean", "logprobs": "integer",
@@ -65,11 +66,13 @@ def parse_prompt(value: Any) -> list[Prompt]:
     if not isinstance(value, list) or not value:
         raise bad_request("prompt must be a string, a list of strings, a list of token ids "
                           "or a list of token-id lists, and not empty", param="prompt")
-    if all(isinstance(p, str) for p in value):
-        return list(value)
-    if all(isinstance(p, list) for p in value):
-        return [_token_ids(p) for p in value]
-    return [_token_ids(value)]
+    batch = all(isinstance(p, str) for p in value) or all(isinstance(p, list) for p in value)
+    if not batch:
+        return [_token_ids(value)]  # one prompt given as token ids
+    if len(value) > MAX_PROMPTS:  # checked before any of them is tokenized
+        raise bad_request(f"prompt accepts at most {MAX_PROMPTS} prompts in one request, "
+                          f"got {len(value)}", param="prompt")
+    return [p if isinstance(p, str) else _token_ids(p) for p in value]
 
 
 def _token_ids(value: list[Any]) -> list[int]:

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from api.chat import render_chat
 from api.errors import bad_request, not_ready
+from api.lifecycle import shutting_down
 from api.params import INT64_MAX, get_bool, get_int_list, get_str, read_json, warn_unknown
 from api.protocol_chat import parse_messages
 from api.state import AppState, now, tokenize_text
@@ -29,7 +30,10 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    if not AppState.of(request).engine.is_ready():
+    app = AppState.of(request)
+    if app.lifecycle.draining:
+        return shutting_down().response()
+    if not app.engine.is_ready():
         return not_ready().response()
     return Response(status_code=200)
 

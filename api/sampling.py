@@ -31,7 +31,7 @@ SAMPLING_FIELDS: dict[str, str] = {
     "repetition_penalty": "number", "logit_bias": "object", "ignore_eos": "boolean",
     "min_tokens": "integer", "user": "string", "priority": "integer",
     "include_stop_str_in_output": "boolean", "skip_special_tokens": "boolean",
-    "stream": "boolean", "stream_options": "object", "model": "string",
+    "stream": "boolean", "stream_options": "object", "model": "string", "timeout": "number",
 }
 
 
@@ -44,6 +44,7 @@ class SamplingArgs:
     seed: int | None
     n: int
     priority: int
+    timeout: float | None  # seconds from arrival (pagedserve extension; see parse_timeout)
 
 
 def parse_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingArgs:
@@ -68,7 +69,16 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingArgs
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad_request("user must be a string", param="user")
     priority = get_int(body, "priority", 0)
-    return SamplingArgs(fields, max_tokens, seed, n, priority)
+    return SamplingArgs(fields, max_tokens, seed, n, priority, parse_timeout(body))
+
+
+def parse_timeout(body: dict[str, Any]) -> float | None:
+    """`timeout`: seconds from arrival. Still queued then: an error (503); already
+    generating: it finishes with what it has and finish_reason "timeout"."""
+    timeout = get_float(body, "timeout", None)
+    if timeout is not None and timeout <= 0:
+        raise bad_request("timeout must be > 0 seconds", param="timeout")
+    return timeout
 
 
 def parse_stop(value: Any) -> tuple[str, ...]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 
 from api.errors import APIError, bad_request, from_engine_error, not_ready
+from api.lifecycle import Lifecycle
 from api.metrics import ServerMetrics
 from engine.protocol import EngineClient, EngineDeadError
 
@@ -22,6 +23,8 @@ class AppState:
     metrics: ServerMetrics
     served_model_name: str
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_timeout: float | None = None  # --request-timeout: seconds, for every request
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     @staticmethod
     def of(request: Request) -> AppState:
@@ -42,6 +45,21 @@ class AppState:
     def check_ready(self) -> None:
         if not self.engine.is_ready():
             raise not_ready()
+
+    def check_admitting(self) -> None:
+        """New generation requests: 503 while shutting down (counted) or not ready."""
+        try:
+            self.lifecycle.check_admitting()
+        except APIError as e:
+            self.metrics.rejections.labels(reason=e.reason).inc()
+            raise
+        self.check_ready()
+
+    def deadline(self, arrival: float, timeout: float | None) -> float | None:
+        """The request's deadline (time.monotonic()): the tighter of its own `timeout`
+        and --request-timeout, counted from its arrival."""
+        limits = [t for t in (timeout, self.request_timeout) if t is not None]
+        return arrival + min(limits) if limits else None
 
 
 def new_request_id(prefix: str) -> str:

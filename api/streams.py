@@ -19,6 +19,7 @@ import anyio
 from starlette.types import Receive
 
 from api.errors import APIError, from_engine_error
+from api.lifecycle import Lifecycle
 from api.metrics import RequestTracker, ServerMetrics
 from engine.outputs import RequestOutput
 from engine.protocol import EngineClient, SamplingParams
@@ -38,14 +39,17 @@ class Job:
     params: SamplingParams
     priority: int
     tracker: RequestTracker
+    deadline: float | None = None  # time.monotonic(); see LLMEngine.add_request
 
 
 class MergedStream:
     """The deltas of several engine requests, merged in arrival order."""
 
-    def __init__(self, engine: EngineClient, jobs: list[Job]) -> None:
+    def __init__(self, engine: EngineClient, jobs: list[Job],
+                 lifecycle: Lifecycle | None = None) -> None:
         self.engine = engine
         self._jobs = jobs
+        self._lifecycle = lifecycle  # told when the stream opens and closes (shutdown drain)
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._buffer: list[_Item] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -68,10 +72,13 @@ class MergedStream:
         except BaseException:
             await self.close()
             raise
+        if self._lifecycle is not None:
+            self._lifecycle.opened(self)
 
     async def _pump(self, i: int, job: Job) -> None:
         try:
-            stream = self.engine.generate(job.request_id, job.prompt, job.params, job.priority)
+            stream = self.engine.generate(job.request_id, job.prompt, job.params, job.priority,
+                                          job.deadline)
             async for out in stream:
                 job.tracker.on_output(out)
                 await self._queue.put((i, out))
@@ -94,9 +101,12 @@ class MergedStream:
             if item.finished:
                 self._finished.add(i)
             if item.error is not None:
-                raise APIError(500, f"The engine failed this request: {item.error}",
-                               type="server_error", code="internal_error")
+                raise _output_error(item)
             yield i, item
+
+    def fail(self, error: APIError) -> None:
+        """End the stream with `error` (graceful shutdown): the consumer raises it next."""
+        self._queue.put_nowait((-1, error))
 
     async def close(self) -> None:
         """Cancel the pumps and abort what is unfinished; shielded, because it runs while
@@ -104,6 +114,8 @@ class MergedStream:
         if self._closed:
             return
         self._closed = True
+        if self._lifecycle is not None:
+            self._lifecycle.closed(self)
         with anyio.CancelScope(shield=True):
             for task in self._tasks:
                 task.cancel()
@@ -116,22 +128,26 @@ class MergedStream:
                     job.tracker.on_abort()
 
 
-async def start_stream(engine: EngineClient, jobs: list[Job],
-                       metrics: ServerMetrics) -> MergedStream:
-    """A started MergedStream; an admission refusal is counted, then raised as APIError."""
-    stream = MergedStream(engine, jobs)
+def _output_error(out: RequestOutput) -> APIError:
+    if out.error_code == "queue_timeout":
+        return APIError(503, f"The server is overloaded: {out.error}", type="server_error",
+                        code="queue_timeout")
+    return APIError(500, f"The engine failed this request: {out.error}",
+                    type="server_error", code="internal_error")
+
+
+async def start_stream(engine: EngineClient, jobs: list[Job], metrics: ServerMetrics,
+                       lifecycle: Lifecycle) -> MergedStream:
+    """A started MergedStream, registered with the lifecycle until closed; an admission
+    refusal is counted, then raised as APIError."""
+    stream = MergedStream(engine, jobs, lifecycle)
     try:
         await stream.start()
     except APIError as e:
-        reason = _REJECTION_REASONS.get(e.code or "")
-        if reason is not None:
-            metrics.rejections.labels(reason=reason).inc()
+        if e.reason is not None:
+            metrics.rejections.labels(reason=e.reason).inc()
         raise
     return stream
-
-
-_REJECTION_REASONS = {"rate_limit_exceeded": "queue_full", "engine_dead": "engine_dead",
-                      "context_length_exceeded": "prompt_too_long"}
 
 
 async def run_unless_disconnected(receive: Receive,

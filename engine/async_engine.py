@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.drain import DrainRate
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.protocol import EngineDeadError, EngineStats
+from engine.protocol import EngineDeadError, EngineStats, QueueFullError
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class _Add:
     params: SamplingParams
     priority: int
     arrival_time: float
+    deadline: float | None
     out: asyncio.Queue[RequestOutput | BaseException]
 
 
@@ -65,6 +67,8 @@ class AsyncEngine:
         self._ready = False
         self._dead: str | None = None
         self._busy_since: float | None = None
+        self._stuck_logged = False
+        self._drain = DrainRate()  # engine thread only
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -98,18 +102,25 @@ class AsyncEngine:
         if not self._ready or self._dead or self._thread is None or not self._thread.is_alive():
             return False
         busy = self._busy_since
-        return busy is None or time.monotonic() - busy < STUCK_AFTER_S
+        stuck = busy is not None and time.monotonic() - busy >= STUCK_AFTER_S
+        if stuck and not self._stuck_logged:
+            self._stuck_logged = True  # once per stuck step: /health is polled often
+            logger.error("engine step running for %.0f s (limit %.0f s): /health answers 503 "
+                         "until it returns", time.monotonic() - (busy or 0.0), STUCK_AFTER_S)
+        return not stuck
 
     # ---- requests (event-loop side) -------------------------------------------------------
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         out: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = out
-        self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic(), out))
+        self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic(), deadline,
+                             out))
         finished = False
         try:
             while not finished:
@@ -173,6 +184,10 @@ class AsyncEngine:
     def _loop_steps(self) -> None:
         failures = 0
         while self._drain_inbox(block=not self.engine.has_unfinished()):
+            if not self.engine.has_unfinished():
+                # Idle (or only aborts arrived): no step, so `failures` stays as it is.
+                self._stats = self.engine.stats()
+                continue
             in_flight = list(self.engine.requests)
             self._busy_since = time.monotonic()
             try:
@@ -184,6 +199,8 @@ class AsyncEngine:
                 self._fail_step(e, failures, in_flight)
             finally:
                 self._busy_since = None
+                self._stuck_logged = False
+            self._drain.record(time.monotonic(), sum(o.finished for o in outputs))
             self._stats = self.engine.stats()
             if outputs:
                 self._deliver(outputs)
@@ -211,7 +228,12 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
-                                    cmd.arrival_time)
+                                    cmd.arrival_time, cmd.deadline)
+        except QueueFullError as e:
+            e.retry_after_s = self._drain.retry_after_s(time.monotonic(),
+                                                        self.engine.scheduler.num_waiting)
+            self._send(cmd.out, e)
+            return
         except Exception as e:  # noqa: BLE001 - PromptTooLongError, QueueFullError, ValueError... -> the caller
             self._send(cmd.out, e)
             return

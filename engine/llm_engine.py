@@ -6,8 +6,10 @@ Single-threaded by contract: AsyncEngine calls every method from its one engine 
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
@@ -33,6 +35,7 @@ class _Request:
     num_sent_tokens: int = 0
     sent_first: bool = False
     prompt_logprobs: list[TokenLogprobIds] = field(default_factory=list)
+    deadline: float | None = None  # time.monotonic() after which the request times out
 
 
 class LLMEngine:
@@ -44,6 +47,8 @@ class LLMEngine:
         self.runner = runner if runner is not None else ModelRunner(config)
         self.requests: dict[str, _Request] = {}
         self.num_steps = 0
+        self.clock: Callable[[], float] = time.monotonic  # deadlines are on this clock
+        self._deadlines: list[tuple[float, str]] = []  # min-heap; stale entries are skipped
         self._tokenizer: Tokenizer | None = None
         self._scheduler: Scheduler | None = None
 
@@ -78,8 +83,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises PromptTooLongError / QueueFullError / ValueError."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    deadline: float | None = None) -> None:
+        """Queue a request. Raises PromptTooLongError / QueueFullError / ValueError.
+
+        `deadline` (time.monotonic()): past it, a request never scheduled fails with
+        error_code "queue_timeout"; a started one finishes with what it has and
+        finish_reason "timeout". Checked at the start of every step."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -89,9 +99,19 @@ class LLMEngine:
         self.check_token_ids("logit_bias", params.logit_bias)
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
         seq = Sequence(request_id, ids, params, priority, arrival_time)
-        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params))
+        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params),
+                       deadline=deadline)
         self.scheduler.add(seq)  # last: nothing after it may fail and orphan the sequence
         self.requests[request_id] = req
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, request_id))
+            if len(self._deadlines) > 2 * len(self.requests) + 64:
+                self._compact_deadlines()  # finished requests leave stale entries behind
+
+    def _compact_deadlines(self) -> None:
+        self._deadlines = [(r.deadline, rid) for rid, r in self.requests.items()
+                           if r.deadline is not None]
+        heapq.heapify(self._deadlines)
 
     def check_token_ids(self, field: str, ids: Iterable[int]) -> None:
         """Token ids must exist in the model; the message starts with the field's name."""
@@ -115,15 +135,39 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        expired = self._expire_deadlines(self.clock()) if self._deadlines else []
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            return expired
         result = self.runner.execute(batch)
         self._collect_prompt_logprobs(batch, result)
         updated = self.scheduler.postprocess(batch, result.sampled_token_ids)
         self.num_steps += 1
         outputs = [self._make_output(seq, result) for seq in updated]
-        return [o for o in outputs if o is not None]
+        return expired + [o for o in outputs if o is not None]
+
+    def _expire_deadlines(self, now: float) -> list[RequestOutput]:
+        """Finish every request whose deadline has passed (its blocks are freed at once)."""
+        outputs = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id = heapq.heappop(self._deadlines)
+            req = self.requests.get(request_id)
+            # The id may have finished and been reused since: check the request's own deadline.
+            if req is not None and req.deadline is not None and req.deadline <= now:
+                outputs.append(self._time_out(req, now))
+        return outputs
+
+    def _time_out(self, req: _Request, now: float) -> RequestOutput:
+        seq = req.seq
+        never_scheduled = seq.first_scheduled_time is None
+        del self.requests[seq.seq_id]
+        self.scheduler.abort(seq.seq_id)
+        self.runner.release([seq.seq_id])
+        if never_scheduled:
+            waited = now - seq.arrival_time
+            return replace(self._final(req, "", None), error_code="queue_timeout",
+                           error=f"request timed out after {waited:.1f} s in the queue")
+        return replace(self._final(req, req.detok.flush(), None), finish_reason="timeout")
 
     def _collect_prompt_logprobs(self, batch: SchedulerOutput, result: RunnerOutput) -> None:
         for seq in batch.seqs:

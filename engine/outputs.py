@@ -28,7 +28,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
     new_text: str
-    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" once finished
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per new token when asked
     # Sent once, with the first delta, when prompt_logprobs was asked: one per prompt token,
@@ -40,6 +40,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling (final delta)
     error: str | None = None  # set when the engine failed this request
+    # Why, for the API's status: None = the engine failed (a bug, 500); "queue_timeout" =
+    # the request's deadline passed before it was ever scheduled (503).
+    error_code: str | None = None
 
     @property
     def finished(self) -> bool:

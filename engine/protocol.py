@@ -71,9 +71,11 @@ class EngineClient(Protocol):
         prompt: str | list[int],
         params: SamplingParams,
         priority: int = 0,
+        deadline: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream deltas for one request. Raises PromptTooLongError / QueueFullError /
-        EngineDeadError before the first delta; closing the iterator early aborts it."""
+        EngineDeadError before the first delta; closing the iterator early aborts it.
+        `deadline` (time.monotonic()): see LLMEngine.add_request."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

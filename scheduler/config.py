@@ -17,6 +17,13 @@ class SchedulerConfig:
     # One sequence may take at most this many tokens of a step's budget, so a long prompt
     # cannot starve the others (vLLM's long_prefill_token_threshold). 0 = max_num_batched_tokens.
     long_prefill_token_threshold: int = 0
+    # While any sequence is decoding, a step takes at most this many prompt tokens in all
+    # (0 = no cap beyond the budget). A prefill token costs about as much as a whole decode
+    # row's share of the step, so an uncapped 512-token chunk makes every running stream wait
+    # several decode steps for its next token; spread over steps, prefill keeps inter-token
+    # latency even (Sarathi-Serve's stall-free batching). With nothing decoding, prefill
+    # uses the whole budget: there is no stream to stall.
+    decode_step_prefill_tokens: int = 0
     # Bounded waiting queue (0 = unbounded); beyond it add() raises QueueFullError.
     max_num_queued_reqs: int = 0
     max_num_queued_tokens: int = 0
@@ -26,6 +33,8 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.decode_step_prefill_tokens < 0:
+            raise ValueError("decode_step_prefill_tokens must be >= 0")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError("policy must be 'fcfs' or 'priority'")
 

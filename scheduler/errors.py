@@ -12,4 +12,13 @@ class PromptTooLongError(SchedulerError):
 
 
 class QueueFullError(SchedulerError):
-    """The waiting queue is at its bound (count or tokens): try again later."""
+    """The waiting queue is at its bound (count or tokens): try again later.
+
+    `limit` names the bound that refused it (max_num_queued_reqs or max_num_queued_tokens),
+    for the rejection metric. `retry_after_s` is filled in by whoever knows how fast the
+    queue drains (the AsyncEngine); the scheduler has no clock."""
+
+    def __init__(self, message: str, limit: str = "max_num_queued_reqs") -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_s: float | None = None

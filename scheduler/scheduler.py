@@ -44,6 +44,7 @@ class Scheduler:
         self._order: dict[str, int] = {}  # arrival tie-break
         self._counter = itertools.count()
         self._waiting_tokens = 0
+        self._prefill_left = 0  # this step's prompt-token allowance (set by schedule())
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -94,13 +95,15 @@ class Scheduler:
         queued = len(self.waiting) - max(0, cfg.max_num_seqs - len(self.running))
         if 0 < cfg.max_num_queued_reqs <= queued:
             raise QueueFullError(f"waiting queue is full: {queued} requests "
-                                 f"(max_num_queued_reqs={cfg.max_num_queued_reqs})")
+                                 f"(max_num_queued_reqs={cfg.max_num_queued_reqs})",
+                                 limit="max_num_queued_reqs")
         # An empty queue takes any prompt, so no prompt is refused forever.
         if cfg.max_num_queued_tokens > 0 and self.waiting \
                 and self._waiting_tokens + n > cfg.max_num_queued_tokens:
             raise QueueFullError(
                 f"waiting queue is full: {self._waiting_tokens} queued tokens + {n} > "
-                f"max_num_queued_tokens={cfg.max_num_queued_tokens}")
+                f"max_num_queued_tokens={cfg.max_num_queued_tokens}",
+                limit="max_num_queued_tokens")
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Finish seq_id (any state) as aborted and free its blocks; None if unknown."""
@@ -133,10 +136,18 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._prefill_left = self._prefill_cap()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_ids:  # a step that preempted has no blocks to spare
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, min(budget, self._prefill_left))
         return out
+
+    def _prefill_cap(self) -> int:
+        """Prompt tokens this step may take in all (see decode_step_prefill_tokens)."""
+        cap = self.config.decode_step_prefill_tokens
+        if cap and any(seq.num_uncomputed_tokens == 1 for seq in self.running):
+            return cap
+        return self.config.max_num_batched_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in list(self.running):
@@ -144,6 +155,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or (defensive) no budget left
             n = min(seq.num_uncomputed_tokens, self.config.prefill_chunk_cap, budget)
             assert n > 0, f"running sequence with nothing to compute: {seq!r}"
+            if n > 1:  # a prefill chunk: within this step's prompt-token cap
+                n = min(n, self._prefill_left)
+                if n == 0:
+                    continue  # its next chunk waits for a step with room
+                self._prefill_left -= n
             while not self.block_manager.can_allocate(seq, n):
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out)

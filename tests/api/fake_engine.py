@@ -9,6 +9,7 @@ aborts and early closes are recorded.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ class Submitted:
     prompt: str | list[int]
     params: SamplingParams
     priority: int
+    deadline: float | None = None
 
 
 class FakeEngine:
@@ -92,15 +94,16 @@ class FakeEngine:
                            prefix_cache_hits=4, num_steps=7)
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0,
+                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         if self.dead or not self.started:
             raise EngineDeadError("engine is dead")
         if self.admission_error is not None:
             raise self.admission_error
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.submitted.append(Submitted(request_id, prompt, params, priority))
+        self.submitted.append(Submitted(request_id, prompt, params, priority, deadline))
         self.active.add(request_id)
-        run = _Run(self, request_id, ids, params)
+        run = _Run(self, request_id, ids, params, deadline)
         finished = False
         try:
             async for out in run.outputs():
@@ -116,8 +119,9 @@ class _Run:
     """One request's generation."""
 
     def __init__(self, engine: FakeEngine, request_id: str, ids: list[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, deadline: float | None) -> None:
         self.e, self.rid, self.ids, self.p = engine, request_id, ids, params
+        self.deadline = deadline
         self.reply = [t for t in ids if t >= OFFSET] or [tok("x")]
         self.text = ""
 
@@ -133,6 +137,9 @@ class _Run:
             return
         for k in range(self.p.max_tokens):
             await asyncio.sleep(self.e.token_delay)
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                yield self._timed_out(k)  # as LLMEngine: the first token is "scheduled"
+                return
             if self.e.fail_after is not None and k >= self.e.fail_after:
                 if self.e.mid_error is not None:
                     raise self.e.mid_error
@@ -142,6 +149,12 @@ class _Run:
             yield out
             if out.finished:
                 return
+
+    def _timed_out(self, produced: int) -> RequestOutput:
+        if produced == 0:
+            return RequestOutput(self.rid, (), "", finish_reason="abort",
+                                 error="timed out in the queue", error_code="queue_timeout")
+        return self._out((), "", "timeout", None, produced)
 
     def _step(self, t: int, produced: int) -> RequestOutput:
         if t in self.p.stop_token_ids:

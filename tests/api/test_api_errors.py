@@ -166,20 +166,32 @@ def test_api_key() -> None:
         assert client.get("/metrics").status_code == 200
 
 
-@pytest.mark.parametrize(("error", "status", "code"), [
-    (QueueFullError("waiting queue is full"), 429, "rate_limit_exceeded"),
-    (PromptTooLongError("needs 900 blocks"), 400, "context_length_exceeded"),
-    (EngineDeadError("gone"), 503, "engine_dead"),
+def _queue_full(limit: str, retry_after_s: float | None) -> QueueFullError:
+    e = QueueFullError("waiting queue is full", limit=limit)
+    e.retry_after_s = retry_after_s
+    return e
+
+
+@pytest.mark.parametrize(("error", "status", "code", "reason"), [
+    (_queue_full("max_num_queued_reqs", None), 429, "rate_limit_exceeded",
+     "max_num_queued_reqs"),
+    (_queue_full("max_num_queued_tokens", 7.2), 429, "rate_limit_exceeded",
+     "max_num_queued_tokens"),
+    (PromptTooLongError("needs 900 blocks"), 400, "context_length_exceeded", "prompt_too_long"),
+    (EngineDeadError("gone"), 503, "engine_dead", "engine_dead"),
 ])
 @pytest.mark.parametrize("stream", [False, True])
-def test_admission_errors(error: Exception, status: int, code: str, stream: bool) -> None:
+def test_admission_errors(error: Exception, status: int, code: str, reason: str,
+                          stream: bool) -> None:
     engine = FakeEngine(admission_error=error)
     with serve(engine) as client:
         r = client.post("/v1/completions", json={"prompt": "a", "stream": stream, "n": 2})
         assert_error(r, status, code=code)
-        if status == 429:
-            assert int(r.headers["retry-after"]) >= 1
-            assert 'reason="queue_full"' in client.get("/metrics").text
+        if status == 429:  # the engine's drain estimate, rounded up; 1 s without one
+            retry = getattr(error, "retry_after_s", None)
+            assert r.headers["retry-after"] == ("8" if retry else "1")
+        assert f'admission_rejections_total{{reason="{reason}"}} 1.0' in \
+            client.get("/metrics").text
         r = client.post("/v1/chat/completions", json={"messages": MSG, "stream": stream})
         assert_error(r, status, code=code)
         # A refused request was never running: it is neither aborted nor counted as one.

@@ -9,7 +9,8 @@ from api.cli import ENGINE_FLAGS, build_parser, config_overrides
 from engine.config import load_config
 
 ALL_FLAGS = [*ENGINE_FLAGS, "--config", "--host", "--port", "--api-key", "--log-level",
-             "--enable-prefix-caching", "--no-enable-prefix-caching"]
+             "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-body-bytes",
+             "--request-timeout", "--shutdown-timeout"]
 
 
 def test_help_mentions_every_flag() -> None:
@@ -39,3 +40,15 @@ def test_console_script_entry() -> None:
     out = subprocess.run([sys.executable, "-c", "from api.cli import main; main(['--help'])"],
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0 and "serve" in out.stdout
+
+
+def test_timeouts_must_be_positive() -> None:
+    args = build_parser().parse_args(["serve", "--request-timeout", "2.5"])
+    assert args.request_timeout == 2.5 and args.shutdown_timeout > 0
+    for bad in ("0", "-1", "inf", "nan"):
+        try:
+            build_parser().parse_args(["serve", "--shutdown-timeout", bad])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"--shutdown-timeout {bad} was accepted")

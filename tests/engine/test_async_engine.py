@@ -9,10 +9,12 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from faults import FaultyRunner
 
 import engine.async_engine as async_engine_mod
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.drain import UNKNOWN_RETRY_S
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
@@ -49,7 +51,7 @@ async def wait_idle(eng: AsyncEngine, timeout: float = 10.0) -> None:
     raise AssertionError(f"engine not idle: {eng.stats()}")
 
 
-def run_async(coro):  # noqa: ANN001, ANN201
+def run_async(coro):
     return asyncio.run(asyncio.wait_for(coro, 120))
 
 
@@ -121,8 +123,10 @@ def test_admission_errors_raise_before_first_delta(llama_runner: ModelRunner) ->
             second = asyncio.create_task(collect(eng.generate("b", [3, 4], slow)))
             while eng.stats().num_waiting < 1:
                 await asyncio.sleep(0.005)
-            with pytest.raises(QueueFullError):
+            with pytest.raises(QueueFullError) as info:
                 await collect(eng.generate("c", [3, 4], slow))
+            # Nothing has finished yet: no drain rate, so the fallback estimate.
+            assert info.value.retry_after_s == UNKNOWN_RETRY_S
             await asyncio.gather(first, second)
             await wait_idle(eng)
         finally:
@@ -153,27 +157,10 @@ def test_seeded_request_same_alone_and_in_busy_batch(llama_runner: ModelRunner) 
     assert alone == busy and len(alone) == 12
 
 
-class FailingRunner:
-    """Delegates to a real runner, failing (or hanging) the steps it is told to."""
-
-    def __init__(self, runner: ModelRunner, fail: int = 0, sleep: float = 0.0) -> None:
-        self.runner, self.fail, self.sleep = runner, fail, sleep
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(self.runner, name)
-
-    def execute(self, batch):  # noqa: ANN001, ANN201
-        time.sleep(self.sleep)
-        if self.fail > 0:
-            self.fail -= 1
-            raise RuntimeError("boom")
-        return self.runner.execute(batch)
-
-
 def test_failed_step_fails_its_requests_and_server_recovers(llama_runner: ModelRunner) -> None:
     async def main() -> None:
         eng = make(llama_runner)
-        eng.engine.runner = FailingRunner(llama_runner, fail=1)  # type: ignore[assignment]
+        eng.engine.runner = FaultyRunner(llama_runner, fail=1)  # type: ignore[assignment]
         await eng.start()
         try:
             with pytest.raises(RuntimeError, match="engine step failed"):
@@ -190,7 +177,7 @@ def test_failed_step_fails_its_requests_and_server_recovers(llama_runner: ModelR
 def test_repeated_failures_mark_engine_dead(llama_runner: ModelRunner) -> None:
     async def main() -> None:
         eng = make(llama_runner)
-        eng.engine.runner = FailingRunner(llama_runner, fail=100)  # type: ignore[assignment]
+        eng.engine.runner = FaultyRunner(llama_runner, fail=100)  # type: ignore[assignment]
         await eng.start()
         try:
             for i in range(async_engine_mod.MAX_CONSECUTIVE_FAILURES):
@@ -210,7 +197,7 @@ def test_stuck_step_fails_health(llama_runner: ModelRunner, monkeypatch: pytest.
 
     async def main() -> None:
         eng = make(llama_runner)
-        eng.engine.runner = FailingRunner(llama_runner, sleep=0.6)  # type: ignore[assignment]
+        eng.engine.runner = FaultyRunner(llama_runner, delay=0.6)  # type: ignore[assignment]
         await eng.start()
         try:
             assert eng.is_ready()

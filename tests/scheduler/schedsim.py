@@ -58,8 +58,13 @@ class FakeRunner:
         return sampled
 
 
-def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
-    """What every SchedulerOutput must satisfy."""
+def decoding(sched: Scheduler) -> bool:
+    """Call before schedule(): is some running sequence down to its last token?"""
+    return any(seq.num_uncomputed_tokens == 1 for seq in sched.running)
+
+
+def check_output(sched: Scheduler, out: SchedulerOutput, was_decoding: bool = False) -> None:
+    """What every SchedulerOutput must satisfy (`was_decoding`: decoding(sched) before it)."""
     cfg = sched.config
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.seqs) <= cfg.max_num_seqs
@@ -69,13 +74,21 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
         assert 1 <= n <= cfg.prefill_chunk_cap, (seq, n)
         assert seq.status == SequenceStatus.RUNNING and seq.seq_id not in out.preempted_ids
         assert seq.num_computed_tokens + n <= seq.num_tokens
-    # Admission only uses budget the running sequences left over: none of them is skipped.
-    assert set(map(id, sched.running)) == set(map(id, out.seqs)), (sched.running, out.seqs)
+    # While something decodes, prompt tokens (chunks of more than one) stay within the cap.
+    cap = cfg.decode_step_prefill_tokens
+    if cap and was_decoding:
+        assert sum(n for n in out.num_scheduled_tokens if n > 1) <= cap, out
+    # Admission only uses budget the running sequences left over: none of them is skipped,
+    # except a prefill that must wait for room under that cap.
+    scheduled = set(map(id, out.seqs))
+    for seq in sched.running:
+        assert id(seq) in scheduled or (cap > 0 and seq.num_uncomputed_tokens > 1), seq
 
 
 def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Sequence]]:
+    was_decoding = decoding(sched)
     out = sched.schedule()
-    check_output(sched, out)
+    check_output(sched, out, was_decoding)
     sched.check_invariants()
     done = sched.postprocess(out, runner.run(out))
     sched.check_invariants()

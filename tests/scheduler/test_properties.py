@@ -11,7 +11,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from schedsim import FakeRunner, check_output, drain, expected_output, make_seq
+from schedsim import FakeRunner, check_output, decoding, drain, expected_output, make_seq
 
 from scheduler import PromptTooLongError, QueueFullError, SchedulerConfig, SequenceStatus
 from scheduler.scheduler import Scheduler
@@ -28,6 +28,7 @@ configs = st.builds(
     block_size=st.sampled_from([1, 2, 4]),
     enable_prefix_caching=st.sampled_from([True, True, False]),
     long_prefill_token_threshold=st.integers(0, 8),
+    decode_step_prefill_tokens=st.sampled_from([0, 0, 2, 5]),
     max_num_queued_reqs=st.sampled_from([0, 0, 0, 3]),
     max_num_queued_tokens=st.sampled_from([0, 0, 20]),
     policy=st.sampled_from(["fcfs", "priority"]),
@@ -72,8 +73,9 @@ class Harness:
         self.seqs.append(seq)
 
     def step(self, abort_index: int) -> None:
+        was_decoding = decoding(self.sched)
         out = self.sched.schedule()
-        check_output(self.sched, out)
+        check_output(self.sched, out, was_decoding)
         if 0 <= abort_index < len(out.seqs):
             self.sched.abort(out.seqs[abort_index].seq_id)
             self.cut.add(out.seqs[abort_index].seq_id)
@@ -108,6 +110,7 @@ pressure_configs = st.builds(
     max_model_len=st.just(64),
     block_size=st.sampled_from([2, 4]),
     long_prefill_token_threshold=st.integers(0, 6),
+    decode_step_prefill_tokens=st.sampled_from([0, 3]),
     policy=st.sampled_from(["fcfs", "priority"]),
 )
 

@@ -68,6 +68,33 @@ def test_chunked_prefill_rides_with_decodes() -> None:
     assert long.output_token_ids == expected_output(long.prompt_token_ids, 2)
 
 
+def test_prompt_tokens_are_capped_while_others_decode() -> None:
+    sched = make_sched(max_num_batched_tokens=32, decode_step_prefill_tokens=5)
+    a, b = make_seq("a", 4, max_tokens=20), make_seq("b", 3, max_tokens=20)
+    sched.add(a)
+    sched.add(b)
+    runner = FakeRunner(sched)
+    out, _ = step(sched, runner)  # nothing decodes yet: the whole budget is for prompts
+    assert out.num_scheduled_tokens == [4, 3]
+    # Prompts of their own (make_seq's default ids would hit a's and b's cached blocks).
+    long1 = make_seq("long1", list(range(100, 112)), max_tokens=2)
+    long2 = make_seq("long2", list(range(200, 206)), max_tokens=2)
+    sched.add(long1)
+    sched.add(long2)
+    plans = []
+    while long2.num_output_tokens == 0:
+        out, _ = step(sched, runner)
+        plans.append(dict(zip([s.seq_id for s in out.seqs], out.num_scheduled_tokens)))
+    # a and b decode in every step; at most 5 prompt tokens join them. long1's chunks go
+    # first and long2 waits (running, its next chunk skipped) until there is room.
+    assert plans == [{"a": 1, "b": 1, "long1": 5}, {"a": 1, "b": 1, "long1": 5},
+                     {"a": 1, "b": 1, "long1": 2, "long2": 3},
+                     {"a": 1, "b": 1, "long1": 1, "long2": 3}]
+    drain(sched, runner)
+    assert long1.output_token_ids == expected_output(long1.prompt_token_ids, 2)
+    assert long2.output_token_ids == expected_output(long2.prompt_token_ids, 2)
+
+
 def test_fcfs_order_and_head_of_line_blocking() -> None:
     # 6 blocks of 4: "big" cannot start while "a" holds blocks, and "small" waits behind it.
     sched = make_sched(num_blocks=6, enable_prefix_caching=False)
@@ -236,8 +263,9 @@ def test_queue_bounds() -> None:
     sched = make_sched(max_num_queued_reqs=2, max_num_seqs=2)
     for name in "abcd":  # a and b fill the two free slots at the next step: not queued
         sched.add(make_seq(name, 4))
-    with pytest.raises(QueueFullError, match="2 requests"):
+    with pytest.raises(QueueFullError, match="2 requests") as info:
         sched.add(make_seq("e", 4))
+    assert info.value.limit == "max_num_queued_reqs" and info.value.retry_after_s is None
     runner = FakeRunner(sched)
     step(sched, runner)  # a, b run; c, d wait: still full
     with pytest.raises(QueueFullError, match="2 requests"):
@@ -245,8 +273,9 @@ def test_queue_bounds() -> None:
     drain(sched, runner)
     sched = make_sched(max_num_queued_tokens=10)
     sched.add(make_seq("big", 30))  # an empty queue takes any prompt
-    with pytest.raises(QueueFullError, match="30 queued tokens"):
+    with pytest.raises(QueueFullError, match="30 queued tokens") as info:
         sched.add(make_seq("x", 1))
+    assert info.value.limit == "max_num_queued_tokens"
     runner = FakeRunner(sched)
     step(sched, runner)  # admitted: the queue is empty again
     sched.add(make_seq("y", 6))

@@ -1,0 +1,268 @@
+"""Worst days on the real stack (uvicorn + api/ + AsyncEngine + a tiny model on 127.0.0.1):
+a model step that raises, an engine that dies or hangs, and a graceful shutdown (SIGTERM)
+with requests still running. Faults come from tests/engine/faults.py, which exists only here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from faults import FaultyRunner
+
+import engine.async_engine as async_engine_mod
+from api.app import create_app
+from api.server import GracefulServer
+from api.state import AppState
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from scheduler.config import SchedulerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+LONG = {"prompt": [3, 4, 5, 6], "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+
+
+@dataclass
+class Server:
+    url: str
+    engine: AsyncEngine
+    runner: FaultyRunner
+    http: GracefulServer
+    thread: threading.Thread
+
+    def blocks_all_free(self, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        eng = self.engine.engine
+        while time.monotonic() < deadline:
+            bm = eng.scheduler.block_manager
+            if not eng.requests and bm.num_free_blocks == bm.num_blocks:
+                bm.check_invariants()
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"engine not idle: {list(eng.requests)}, {self.engine.stats()}")
+
+
+@contextmanager
+def served(llama_runner: ModelRunner, *, delay: float = 0.0,
+           shutdown_timeout: float = 10.0) -> Iterator[Server]:
+    sc = SchedulerConfig(block_size=llama_runner.block_size, max_model_len=128, max_num_seqs=4,
+                         max_num_batched_tokens=32)
+    cfg = EngineConfig(model=None, dtype="float32", device="cpu", scheduler=sc,
+                       served_model_name="tiny")
+    runner = FaultyRunner(llama_runner, delay=delay)
+    engine = AsyncEngine(cfg, LLMEngine(cfg, runner=runner))  # type: ignore[arg-type]
+    app = create_app(engine)
+    http = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"),
+                          AppState.of_app(app).lifecycle, shutdown_timeout)
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (http.started and engine.is_ready()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.is_ready()
+        port = http.servers[0].sockets[0].getsockname()[1]
+        yield Server(f"http://127.0.0.1:{port}", engine, runner, http, thread)
+    finally:
+        runner.unstall()
+        http.should_exit = True
+        thread.join(20)
+        assert not thread.is_alive()
+
+
+def stream_events(client: httpx.Client, url: str, body: dict[str, Any],
+                  first: threading.Event | None = None) -> list[Any]:
+    """POST a streamed completion; the SSE payloads (JSON, then the final "[DONE]")."""
+    events: list[Any] = []
+    with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if first is not None:
+                    first.set()
+    return events
+
+
+def in_thread(fn: Any, *args: Any) -> Future[Any]:
+    """Run fn in a thread of its own; .result() re-raises what it raised."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def post(client: httpx.Client, url: str, body: dict[str, Any]) -> httpx.Response:
+    return client.post(url + "/v1/completions", json=body)
+
+
+# ---------------------------------------------------------------------------- engine faults
+
+
+def test_failed_step_gives_its_requests_a_clean_error_and_serving_goes_on(
+        llama_runner: ModelRunner, caplog: pytest.LogCaptureFixture) -> None:
+    with served(llama_runner, delay=0.01) as s, httpx.Client(timeout=30) as client:
+        s.runner.fail = 1
+        events = stream_events(client, s.url, LONG)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
+        assert "injected fault" in events[-2]["error"]["message"]
+        s.blocks_all_free()
+        s.runner.fail = 1
+        r = client.post(s.url + "/v1/completions", json=LONG)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        s.blocks_all_free()
+        assert client.get(s.url + "/health").status_code == 200
+        r = client.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert "engine step failed" in caplog.text
+
+
+def test_engine_that_keeps_failing_turns_health_503_and_says_why(
+        llama_runner: ModelRunner, caplog: pytest.LogCaptureFixture) -> None:
+    with served(llama_runner) as s, httpx.Client(timeout=30) as client:
+        s.runner.fail = 100
+        for _ in range(async_engine_mod.MAX_CONSECUTIVE_FAILURES):
+            assert client.post(s.url + "/v1/completions", json=LONG).status_code == 500
+        r = client.get(s.url + "/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_not_ready"
+        r = client.post(s.url + "/v1/completions", json=LONG)
+        assert r.status_code == 503
+        assert "3 in a row" in caplog.text and "injected fault" in caplog.text
+
+
+def test_hung_step_turns_health_503_and_logs_it(llama_runner: ModelRunner,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(async_engine_mod, "STUCK_AFTER_S", 0.3)
+    caplog.set_level(logging.ERROR, logger="pagedserve.engine")
+    with served(llama_runner) as s, httpx.Client(timeout=30) as client:
+        s.runner.stall()
+        pending = in_thread(post, client, s.url, {**LONG, "max_tokens": 2})
+        time.sleep(0.6)
+        assert client.get(s.url + "/health").status_code == 503
+        assert "engine step running for" in caplog.text
+        s.runner.unstall()
+        assert pending.result(10).status_code == 200
+        assert client.get(s.url + "/health").status_code == 200
+
+
+# --------------------------------------------------------------------------- shutdown
+
+
+def test_sigterm_drains_running_streams_and_refuses_new_ones(llama_runner: ModelRunner) -> None:
+    with served(llama_runner, delay=0.02, shutdown_timeout=20) as s, \
+            httpx.Client(timeout=30) as client:
+        first = threading.Event()
+        body = {**LONG, "max_tokens": 40, "stream_options": {"include_usage": True}}
+        pending = in_thread(stream_events, client, s.url, body, first)
+        assert first.wait(10)
+        s.http.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
+        deadline = time.monotonic() + 5
+        while client.get(s.url + "/health").status_code == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = client.post(s.url + "/v1/completions", json={**LONG, "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        events = pending.result(20)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["usage"]["completion_tokens"] == 40  # finished, not cut
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+        s.thread.join(15)
+        assert not s.thread.is_alive()  # the server stopped by itself once drained
+        s.blocks_all_free()
+
+
+def test_sigterm_after_shutdown_timeout_aborts_the_rest_cleanly(
+        llama_runner: ModelRunner) -> None:
+    with served(llama_runner, delay=0.05, shutdown_timeout=0.3) as s, \
+            httpx.Client(timeout=30) as client:
+        first = threading.Event()
+        streamed = in_thread(stream_events, client, s.url, LONG, first)
+        plain = in_thread(post, client, s.url, LONG)
+        assert first.wait(10)
+        started = time.monotonic()
+        s.http.handle_exit(signal.SIGTERM, None)
+        events, response = streamed.result(15), plain.result(15)
+        assert time.monotonic() - started < 5  # 100 tokens would take 5 s or more
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "server_shutting_down"
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "server_shutting_down"
+        s.thread.join(15)
+        assert not s.thread.is_alive()
+        s.blocks_all_free()
+
+
+def test_second_signal_stops_waiting(llama_runner: ModelRunner) -> None:
+    with served(llama_runner, delay=0.05, shutdown_timeout=60) as s, \
+            httpx.Client(timeout=30) as client:
+        first = threading.Event()
+        pending = in_thread(stream_events, client, s.url, LONG, first)
+        assert first.wait(10)
+        s.http.handle_exit(signal.SIGINT, None)
+        time.sleep(0.2)
+        s.http.handle_exit(signal.SIGINT, None)  # Ctrl-C twice: do not wait 60 s
+        assert pending.result(10)[-2]["error"]["code"] == "server_shutting_down"
+        s.thread.join(15)
+        assert not s.thread.is_alive()
+
+
+def test_real_sigterm_exits_0(tiny_llama: Path) -> None:
+    """The CLI process: SIGTERM while idle ends it with exit status 0 (not -15)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "api", "serve", "--model", str(tiny_llama), "--config",
+           "tiny", "--port", str(port), "--num-threads", "1", "--shutdown-timeout", "5"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={**LONG, "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        log = proc.stdout.read().decode() if proc.stdout else ""
+        assert "graceful shutdown" in log and "drained" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
