@@ -116,7 +116,10 @@ def test_all_at_once(smollm2_runner, smol_prompts, smol_reference) -> None:
 
 @pytest.mark.slow
 def test_arrivals_while_others_decode(smollm2_runner, smol_prompts, smol_reference) -> None:
-    engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=256)
+    # While others decode, at most 8 prompt tokens per step: arrivals' prompts are cut into
+    # chunks, and a running prompt waits out steps where an earlier one used the 8 tokens.
+    engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=256,
+                         decode_step_prefill_tokens=8)
     ids = list(smol_prompts)
     arrivals = {0: ids[:3], 3: ids[3:6], 7: ids[6:9], 12: ids[9:]}
     assert run(engine, smol_prompts, arrivals=arrivals) == smol_reference(smol_prompts)
