@@ -73,24 +73,46 @@ def random_workload(n: int, in_range: tuple[int, int], out_range: tuple[int, int
     """n random-token prompts with lengths uniform in in_range, and output lengths uniform
     in out_range (the nano-vllm recipe). Special token ids in `avoid` never appear."""
     rng = random.Random(seed)
-    skip = avoid or set()
-    prompts = []
-    for _ in range(n):
-        length = rng.randint(*in_range)
-        ids: list[int] = []
-        while len(ids) < length:
-            t = rng.randrange(vocab_size)
-            if t not in skip:
-                ids.append(t)
-        prompts.append(ids)
+    prompts = [random_token_ids(rng, rng.randint(*in_range), vocab_size, avoid) for _ in range(n)]
     return prompts, [rng.randint(*out_range) for _ in range(n)]
+
+
+def random_token_ids(rng: random.Random, length: int, vocab_size: int,
+                     avoid: set[int] | None = None) -> list[int]:
+    """`length` ids drawn uniformly from the vocabulary, never one in `avoid`."""
+    skip = avoid or set()
+    ids: list[int] = []
+    while len(ids) < length:
+        t = rng.randrange(vocab_size)
+        if t not in skip:
+            ids.append(t)
+    return ids
+
+
+def model_folder() -> Path:
+    """The converted safetensors folder of the embedded model (made on first use): what
+    the baselines load and where the benchmarks take the tokenizer from."""
+    from engine.loader import converted_gguf, resolve_source
+
+    src, _ = resolve_source(None)
+    return converted_gguf(src) if src.suffix == ".gguf" else src
+
+
+def machine_slug(info: dict[str, Any]) -> str:
+    """A file-name-safe machine name: CPU model and core count, e.g.
+    'intel-xeon-platinum-8375c-2c' from 'Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz'."""
+    import re
+
+    model = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$", " ", str(info.get("cpu_model") or "cpu").lower())
+    words = re.findall(r"[a-z0-9]+", model)
+    return "-".join([*words[:5], f"{info.get('cpu_count') or 0}c"])
 
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-# --- helpers for benchmarks that run servers as subprocesses (bench_serving.py) ---
+# --- helpers for benchmarks that run servers as subprocesses (compare.py) ---
 
 
 def free_port() -> int:

@@ -1,10 +1,12 @@
-"""Load generator and metrics for bench_serving.py, in the `vllm bench serve` vocabulary.
+"""Sending a load and measuring it, in the `vllm bench serve` vocabulary (used by loadgen.py
+and compare.py).
 
 One request = one streamed POST /v1/completions. Per request we record the time to the first
 content chunk (TTFT), the gaps between later content chunks (ITL), the end-to-end latency
 (E2EL, to the end of the stream) and the completion tokens the server reports in `usage`.
 Aggregates follow vLLM's `calculate_metrics`: TPOT = (E2EL - TTFT) / (output tokens - 1) per
-request with more than one output token; throughputs divide by the wall time of the whole run.
+request with more than one output token; throughputs divide by the wall time of the whole run;
+goodput counts the requests that meet every given SLO (TTFT, TPOT, E2EL in ms) per second.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import httpx
 import numpy as np
 
 PERCENTILES = (50.0, 90.0, 99.0)
+SLO_METRICS = ("ttft", "tpot", "e2el")  # what --goodput accepts, as in vLLM
 
 
 @dataclass(frozen=True)
@@ -156,22 +159,48 @@ async def run_load(base_url: str, specs: Sequence[RequestSpec], *, request_rate:
 
 
 def _stats_ms(name: str, xs: Sequence[float]) -> dict[str, float]:
+    """mean/median/std and p50/p90/p99 in ms (median and p50 are the same number: vLLM
+    prints the first, the comparison tables use the second)."""
     arr = np.asarray(xs, dtype=float) * 1000.0  # s -> ms
+    keys = [f"{k}_{name}_ms" for k in ("mean", "median", "std")]
+    keys += [f"p{p:g}_{name}_ms" for p in PERCENTILES]
     if arr.size == 0:
-        return {f"{k}_{name}_ms": float("nan") for k in ("mean", "median", "std", "p90", "p99")}
-    out = {f"mean_{name}_ms": float(arr.mean()), f"median_{name}_ms": float(np.median(arr)),
-           f"std_{name}_ms": float(arr.std())}
-    for p in PERCENTILES[1:]:
-        out[f"p{p:g}_{name}_ms"] = float(np.percentile(arr, p))
-    return out
+        return dict.fromkeys(keys, float("nan"))
+    values = [arr.mean(), np.median(arr), arr.std(), *np.percentile(arr, PERCENTILES)]
+    return {k: float(v) for k, v in zip(keys, values)}
 
 
-def compute_metrics(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
-    """vLLM's aggregate metrics over one run (latencies in ms, throughputs per second)."""
+def request_tpot(r: RequestResult) -> float:
+    """Seconds per output token after the first; 0 for a one-token answer (vLLM's rule)."""
+    return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+
+
+def parse_goodput(items: Sequence[str]) -> dict[str, float]:
+    """["ttft:500", "tpot:100"] -> {"ttft": 500.0, "tpot": 100.0} (milliseconds)."""
+    slos = {}
+    for item in items:
+        name, sep, value = item.partition(":")
+        if not sep or name not in SLO_METRICS:
+            raise ValueError(f"--goodput takes NAME:MS with NAME in {SLO_METRICS}, got {item!r}")
+        slos[name] = float(value)
+        if slos[name] < 0:
+            raise ValueError(f"--goodput {name} must be >= 0 ms, got {value}")
+    return slos
+
+
+def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
+    measured_ms = {"ttft": r.ttft * 1000, "tpot": request_tpot(r) * 1000, "e2el": r.latency * 1000}
+    return r.success and all(measured_ms[k] <= v for k, v in slos.items())
+
+
+def compute_metrics(results: Sequence[RequestResult], duration: float,
+                    slos: dict[str, float] | None = None) -> dict[str, Any]:
+    """vLLM's aggregate metrics over one run (latencies in ms, throughputs per second);
+    request_goodput only when SLOs are given."""
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpots = [request_tpot(r) for r in ok if r.output_tokens > 1]
     m: dict[str, Any] = {
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "total_input_tokens": total_in, "total_output_tokens": total_out,
@@ -181,6 +210,9 @@ def compute_metrics(results: Sequence[RequestResult], duration: float) -> dict[s
         "usage_reported": all(r.usage_reported for r in ok),
         "errors": sorted({r.error for r in results if not r.success})[:5],
     }
+    if slos:
+        m["goodput_slos_ms"] = dict(slos)
+        m["request_goodput"] = sum(meets_slos(r, slos) for r in ok) / duration
     m |= _stats_ms("ttft", [r.ttft for r in ok])
     m |= _stats_ms("tpot", tpots)
     m |= _stats_ms("itl", [x for r in ok for x in r.itl])
