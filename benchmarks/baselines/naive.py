@@ -13,18 +13,24 @@ import argparse
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 
 from starlette.applications import Starlette
 
-from benchmarks.baselines.generation import LoadedModel, Row, make_executor, run_rows
+from benchmarks.baselines.generation import (
+    CallerThreadExecutor,
+    LoadedModel,
+    Row,
+    make_executor,
+    run_rows,
+)
 from benchmarks.baselines.protocol import CompletionRequest, base_parser, create_app, serve
 
 
 class NaiveServer:
     """One request at a time: an asyncio.Lock (FIFO) in front of one generate() thread."""
 
-    def __init__(self, lm: LoadedModel, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, lm: LoadedModel, executor: Executor | None = None) -> None:
         self.lm = lm
         self.executor = executor or make_executor()
         self.lock = asyncio.Lock()
@@ -46,8 +52,8 @@ class NaiveServer:
             await run_rows(self.lm, [row], self.executor)
 
 
-def build_app(lm: LoadedModel) -> Starlette:
-    server = NaiveServer(lm)
+def build_app(lm: LoadedModel, executor: Executor | None = None) -> Starlette:
+    server = NaiveServer(lm, executor)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -75,8 +81,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = parse_args(argv)
     torch.set_num_threads(args.num_threads)
-    app = build_app(load_model(args.model, args.dtype))
-    serve(app, args)
+    executor = CallerThreadExecutor()
+    app = build_app(load_model(args.model, args.dtype), executor)
+    serve(app, args, executor)
 
 
 if __name__ == "__main__":

@@ -256,14 +256,33 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--num-threads", type=int, default=serving_threads(),
-                   help="torch threads (default: usable cores - 1, like `pagedserve serve`)")
+                   help="torch threads (default: all usable cores, like `pagedserve serve`)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
 
 
-def serve(app: Starlette, args: argparse.Namespace) -> None:
+def serve(app: Starlette, args: argparse.Namespace, executor: Any) -> None:
+    """HTTP on a thread; `executor` (a CallerThreadExecutor) runs generate() on this, the
+    main thread, until the server stops (SIGTERM/SIGINT)."""
+    import signal
+    import threading
+
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level))
+
+    def run_http() -> None:
+        try:
+            server.run()
+        finally:
+            executor.shutdown()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    thread = threading.Thread(target=run_http, name="http")
+    thread.start()
+    executor.run()
+    thread.join()

@@ -26,11 +26,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 
 from starlette.applications import Starlette
 
-from benchmarks.baselines.generation import LoadedModel, Row, make_executor, run_rows
+from benchmarks.baselines.generation import (
+    CallerThreadExecutor,
+    LoadedModel,
+    Row,
+    make_executor,
+    run_rows,
+)
 from benchmarks.baselines.protocol import CompletionRequest, base_parser, create_app, serve
 
 logger = logging.getLogger("baselines.request_batching")
@@ -44,7 +50,7 @@ class Batcher:
 
     def __init__(self, lm: LoadedModel, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
                  max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 executor: Executor | None = None) -> None:
         if max_batch_size < 1 or max_wait_ms < 0:
             raise ValueError("max_batch_size must be >= 1 and max_wait_ms >= 0")
         self.lm = lm
@@ -98,8 +104,9 @@ class Batcher:
 
 
 def build_app(lm: LoadedModel, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-              max_wait_ms: float = DEFAULT_MAX_WAIT_MS) -> Starlette:
-    batcher = Batcher(lm, max_batch_size, max_wait_ms)
+              max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+              executor: Executor | None = None) -> Starlette:
+    batcher = Batcher(lm, max_batch_size, max_wait_ms, executor)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -142,8 +149,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     args = parse_args(argv)
     torch.set_num_threads(args.num_threads)
-    app = build_app(load_model(args.model, args.dtype), args.max_batch_size, args.max_wait_ms)
-    serve(app, args)
+    executor = CallerThreadExecutor()
+    app = build_app(load_model(args.model, args.dtype), args.max_batch_size, args.max_wait_ms,
+                    executor)
+    serve(app, args, executor)
 
 
 if __name__ == "__main__":
