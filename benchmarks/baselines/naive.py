@@ -18,7 +18,6 @@ from concurrent.futures import Executor
 from starlette.applications import Starlette
 
 from benchmarks.baselines.generation import (
-    CallerThreadExecutor,
     LoadedModel,
     Row,
     make_executor,
@@ -75,15 +74,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import torch
-
-    from benchmarks.baselines.generation import load_model
-
-    args = parse_args(argv)
-    torch.set_num_threads(args.num_threads)
-    executor = CallerThreadExecutor()
-    app = build_app(load_model(args.model, args.dtype), executor)
-    serve(app, args, executor)
+    serve(parse_args(argv), build_app)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from benchmarks.baselines.generation import DTYPES, LoadedModel, Row
+from benchmarks.baselines.generation import (
+    DTYPES,
+    CallerThreadExecutor,
+    LoadedModel,
+    Row,
+    load_model,
+)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -262,14 +268,19 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def serve(app: Starlette, args: argparse.Namespace, executor: Any) -> None:
-    """HTTP on a thread; `executor` (a CallerThreadExecutor) runs generate() on this, the
-    main thread, until the server stops (SIGTERM/SIGINT)."""
+def serve(args: argparse.Namespace,
+          build_app: Callable[[LoadedModel, CallerThreadExecutor], Starlette]) -> None:
+    """Load the model, build the app around it, serve HTTP on a thread and run generate()
+    on this, the main thread (a CallerThreadExecutor), until SIGTERM/SIGINT."""
     import signal
     import threading
 
+    import torch
     import uvicorn
 
+    torch.set_num_threads(args.num_threads)
+    executor = CallerThreadExecutor()
+    app = build_app(load_model(args.model, args.dtype), executor)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level=args.log_level))

@@ -31,7 +31,6 @@ from concurrent.futures import Executor
 from starlette.applications import Starlette
 
 from benchmarks.baselines.generation import (
-    CallerThreadExecutor,
     LoadedModel,
     Row,
     make_executor,
@@ -143,16 +142,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    import torch
-
-    from benchmarks.baselines.generation import load_model
-
     args = parse_args(argv)
-    torch.set_num_threads(args.num_threads)
-    executor = CallerThreadExecutor()
-    app = build_app(load_model(args.model, args.dtype), args.max_batch_size, args.max_wait_ms,
-                    executor)
-    serve(app, args, executor)
+    serve(args, lambda lm, executor: build_app(lm, args.max_batch_size, args.max_wait_ms,
+                                               executor))
 
 
 if __name__ == "__main__":
