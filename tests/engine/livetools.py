@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from faults import FaultyRunner
 
 from api.app import create_app
 from engine.async_engine import AsyncEngine
@@ -32,23 +33,19 @@ from scheduler.config import SchedulerConfig
 METRIC_LINE = re.compile(r"^(pagedserve:[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+|NaN)$")
 
 
-class SlowRunner:
+class SlowRunner(FaultyRunner):
     """A real runner whose steps take at least `delay` s (so a request outlasts a hang-up),
     and which tells a test when some sequence is part-way through its prompt (mid-prefill)."""
 
     def __init__(self, runner: ModelRunner, delay: float) -> None:
-        self.runner, self.delay = runner, delay
+        super().__init__(runner, delay=delay)
         self.mid_prefill = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)
 
     def execute(self, batch: Any) -> Any:
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
             if 0 < seq.num_computed_tokens and seq.num_computed_tokens + n < seq.num_prompt_tokens:
                 self.mid_prefill.set()  # a later chunk of a prompt that is not done yet
-        time.sleep(self.delay)
-        return self.runner.execute(batch)
+        return super().execute(batch)
 
 
 @dataclass
