@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.outputs import Logprob, RequestOutput, TokenLogprobs
+from engine.outputs import ErrorCode, Logprob, RequestOutput, TokenLogprobs
 from engine.protocol import EngineStats
 from engine.runner_output import RunnerOutput, TokenLogprobIds
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -165,7 +165,7 @@ class LLMEngine:
         self.runner.release([seq.seq_id])
         if never_scheduled:
             waited = now - seq.arrival_time
-            return replace(self._final(req, "", None), error_code="queue_timeout",
+            return replace(self._final(req, "", None), error_code=ErrorCode.QUEUE_TIMEOUT,
                            error=f"request timed out after {waited:.1f} s in the queue")
         return replace(self._final(req, req.detok.flush(), None), finish_reason="timeout")
 

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class ErrorCode(enum.StrEnum):
+    """Why the engine ended a request with an error (RequestOutput.error_code); the API maps
+    each to an HTTP status in one place (api/errors.py)."""
+
+    QUEUE_TIMEOUT = "queue_timeout"  # the deadline passed before it was ever scheduled (503)
+    STEP_FAILED = "step_failed"  # the step it was in raised (500: a bug or a device fault)
+    ENGINE_DEAD = "engine_dead"  # the engine loop stopped or crashed (503)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +50,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling (final delta)
     error: str | None = None  # set when the engine failed this request
-    # Why, for the API's status: None = the engine failed (a bug, 500); "queue_timeout" =
-    # the request's deadline passed before it was ever scheduled (503).
-    error_code: str | None = None
+    error_code: ErrorCode | None = None  # why, when error is set
 
     @property
     def finished(self) -> bool:

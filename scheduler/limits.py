@@ -1,0 +1,23 @@
+"""EngineLimits: the facts fixed when the model is loaded that every layer checks against.
+
+Built once by the engine at load (from the model, the KV pool and the config) and read by the
+scheduler, the AsyncEngine and the API, so no limit is derived in more than one place.
+Pure data, standard library only (the scheduler and the API import it without torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    max_model_len: int  # longest sequence (prompt + output): model, config and KV pool agree
+    num_kv_blocks: int  # blocks in the KV pool
+    block_size: int  # tokens per KV block
+    vocab_size: int  # valid token ids are [0, vocab_size)
+    eos_token_ids: frozenset[int]  # tokens that end a sequence unless ignore_eos
+
+    @property
+    def max_prompt_len(self) -> int:
+        """A prompt must leave room for at least one generated token."""
+        return self.max_model_len - 1
