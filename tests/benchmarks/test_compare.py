@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fake_sse_server import CharTokenizer
 
 from benchmarks import compare
+from benchmarks.common import machine_slug
 from benchmarks.compare import OURS, Plan, checks, parse_args, ratios_by_load
 
 FAKE_SERVER = Path(__file__).resolve().parent / "fake_sse_server.py"  # run as a subprocess
@@ -102,7 +103,7 @@ def test_ratios_layout_and_direction(comparison: tuple[dict[str, Any], Path]) ->
     data, path = comparison
     saved = json.loads(path.read_text())
     assert path.parent == Path(saved["args"]["out"]) and path.name.endswith(".json")
-    assert saved["machine"]["cpu_model"].split()[0].lower() in path.name  # <date>-<machine>.json
+    assert machine_slug(saved["machine"]) in path.name  # <date>-<machine>.json
     r = saved["ratios"]
     # the serial fake serves 16 requests one by one: ours (concurrent, same speed) is far ahead
     assert r["naive"]["output_throughput"] > 3 and r["naive"]["ttft_p50"] < 0.5
@@ -179,3 +180,12 @@ def test_workloads_never_repeat_a_prompt() -> None:
     assert len(set(prompts)) == len(prompts)
     assert all(4 <= s.prompt_len <= 8 and 4 <= s.output_len <= 6 for v in specs.values() for s in v)
     assert specs == compare.workloads(TINY, CharTokenizer(), seed=0)
+
+
+@pytest.mark.parametrize(("cpu_model", "slug"), [
+    ("Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz", "intel-xeon-platinum-8375c-2c"),
+    ("Intel(R) Xeon(R) Processor", "intel-xeon-processor-2c"),
+    ("AMD EPYC 9R45 96-Core Processor", "amd-epyc-9r45-96-core-2c"),
+])
+def test_machine_slug_is_file_name_safe(cpu_model: str, slug: str) -> None:
+    assert machine_slug({"cpu_model": cpu_model, "cpu_count": 2}) == slug
