@@ -1,4 +1,4 @@
-"""The scheduler's own cost per engine step, against the model's decode step (issue 4).
+"""The scheduler's own cost per engine step, against the model's decode step.
 
 At a steady state of N running sequences (prompts uniform in 32-512 tokens), per step:
   scheduler  the pure-Python Scheduler alone with a fake runner (one token for every sequence

@@ -1,4 +1,4 @@
-"""Input limits (issue 5, item 6) beyond the per-parameter table of test_api_errors.py:
+"""Input limits beyond the per-parameter table of test_api_errors.py:
 body size, context length naming the limit, n / logprobs / prompt-list bounds, encodings,
 wrong types and huge numbers on every numeric field, and the API key on every route."""
 

@@ -1,4 +1,4 @@
-"""Load, disconnects, soak and fuzz against the real stack (issue 5, items 3 and 7):
+"""Load, disconnects, soak and fuzz against the real stack:
 uvicorn + api/ + AsyncEngine + the tiny random Llama on 127.0.0.1, clients speaking raw HTTP.
 
 Every test ends by checking that the server holds nothing: /metrics shows no running or
