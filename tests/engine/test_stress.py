@@ -9,6 +9,8 @@ invariants hold.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import gc
 import json
 import logging
@@ -244,9 +246,21 @@ def test_disconnect_before_the_body_is_read(llama_runner: ModelRunner,
 
 SOAK_REQUESTS = 2000
 WARM_UP = 200
+# How the RSS bound was chosen: on the 2-core development host the process holds ~390 MiB
+# after the warm-up and grew by 4.7 MiB (1.2%) over the 1,800 measured requests, 6.8 MiB
+# (1.7%) without malloc_trim (allocator arenas of
+# threads started late, tokenizer and torch scratch caches: bounded, not per request). 10%
+# (~39 MiB) is 5x that, so allocator noise alone cannot reach it, while a leak of ~22 KiB
+# per request would. Smaller leaks of Python objects are caught by the object-count check.
+RSS_GROWTH_BOUND = 1.10
 
 
 def _rss_bytes() -> int:
+    """Resident memory in use: collected and, on glibc, with freed heap pages handed back to
+    the OS first (malloc_trim), so memory the allocator merely keeps cached is not counted."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -317,19 +331,17 @@ def test_soak_memory_stays_flat(llama_runner: ModelRunner) -> None:
             await asyncio.gather(*(one(i, gate) for i in range(lo, hi)))
 
         run(batch(0, WARM_UP), 120)
-        gc.collect()
         rss_warm, objects_warm = _rss_bytes(), _live_objects()
         start = time.monotonic()
         run(batch(WARM_UP, SOAK_REQUESTS), 300)
         elapsed = time.monotonic() - start
         live.wait_idle()
-        gc.collect()
         rss_end, grown = _rss_bytes(), _live_objects()
         grown.subtract(objects_warm)
         assert not live.engine._queues
     print(f"\nsoak: {SOAK_REQUESTS - WARM_UP} requests in {elapsed:.1f} s; RSS after warm-up "
           f"{rss_warm / 2**20:.1f} MiB, at the end {rss_end / 2**20:.1f} MiB")
-    assert rss_end <= rss_warm * 1.10, (rss_warm, rss_end)
+    assert rss_end <= rss_warm * RSS_GROWTH_BOUND, (rss_warm, rss_end)
     # Sharper than RSS: no object type of the server grows with the number of requests
     # (one leaked object per request would be +1800 here).
     leaks = {k: v for k, v in grown.items() if v > SOAK_REQUESTS // 20 and k not in TRANSIENT}
