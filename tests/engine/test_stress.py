@@ -248,10 +248,10 @@ SOAK_REQUESTS = 2000
 WARM_UP = 200
 # How the RSS bound was chosen: on the 2-core development host the process holds ~390 MiB
 # after the warm-up and grew by 4.7 MiB (1.2%) over the 1,800 measured requests, 6.8 MiB
-# (1.7%) without malloc_trim (allocator arenas of
-# threads started late, tokenizer and torch scratch caches: bounded, not per request). 10%
-# (~39 MiB) is 5x that, so allocator noise alone cannot reach it, while a leak of ~22 KiB
-# per request would. Smaller leaks of Python objects are caught by the object-count check.
+# (1.7%) without malloc_trim: allocator arenas of threads started late, tokenizer and torch
+# scratch caches, bounded rather than per request. 10% (~39 MiB) is 5x that, so allocator
+# noise alone cannot reach it, while a leak of ~22 KiB per request would. Smaller leaks of
+# Python objects are caught by the object-count check.
 RSS_GROWTH_BOUND = 1.10
 
 
