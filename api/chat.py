@@ -68,8 +68,8 @@ def render_chat(engine: EngineClient, messages: list[dict[str, Any]],
 
 def _jobs(app: AppState, req: ChatRequest, prompt: list[int], rid: str,
           deadline: float | None) -> list[Job]:
-    max_tokens = check_context(len(prompt), req.sampling.max_tokens, app.engine.max_model_len,
-                               "messages")
+    max_tokens = check_context(len(prompt), req.sampling.max_tokens,
+                               app.limits().max_model_len, "messages")
     params = build_params(req.sampling, max_tokens, logprobs=req.logprobs)
     return [Job(f"{rid}-{i}", prompt, p, req.sampling.priority,
                 app.metrics.tracker(len(prompt)), deadline) for i, p in enumerate(params)]

@@ -80,7 +80,7 @@ def _jobs(app: AppState, req: CompletionRequest, groups: list[_Group], rid: str,
     jobs: list[Job] = []
     for group in groups:
         max_tokens = check_context(len(group.token_ids), req.sampling.max_tokens,
-                                   app.engine.max_model_len, "prompt")
+                                   app.limits().max_model_len, "prompt")
         prompt_logprobs = req.logprobs if req.echo else None
         for params in build_params(req.sampling, max_tokens, logprobs=req.logprobs,
                                    prompt_logprobs=prompt_logprobs):

@@ -23,9 +23,10 @@ DETOKENIZE_FIELDS = {"model": "string", "tokens": "array"}
 async def list_models(request: Request) -> Response:
     app = AppState.of(request)
     engine = app.engine
+    limits = engine.limits if engine.is_ready() else None
     card = {"id": app.served_model_name, "object": "model", "created": now(),
             "owned_by": "pagedserve", "root": engine.model_name, "parent": None,
-            "max_model_len": engine.max_model_len if engine.is_ready() else None}
+            "max_model_len": limits.max_model_len if limits is not None else None}
     return JSONResponse({"object": "list", "data": [card]})
 
 
@@ -49,7 +50,7 @@ async def tokenize(request: Request) -> Response:
     app.check_model(get_str(body, "model"))
     app.check_ready()
     tokens = _tokens_of(app, body)
-    return JSONResponse({"count": len(tokens), "max_model_len": app.engine.max_model_len,
+    return JSONResponse({"count": len(tokens), "max_model_len": app.limits().max_model_len,
                          "tokens": tokens})
 
 

@@ -12,7 +12,7 @@ from starlette.requests import Request
 from api.errors import APIError, bad_request, from_engine_error, not_ready
 from api.lifecycle import Lifecycle
 from api.metrics import ServerMetrics
-from engine.protocol import EngineClient, EngineDeadError
+from engine.protocol import EngineClient, EngineDeadError, EngineLimits
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -45,6 +45,13 @@ class AppState:
     def check_ready(self) -> None:
         if not self.engine.is_ready():
             raise not_ready()
+
+    def limits(self) -> EngineLimits:
+        """The engine's limits (max_model_len...); 503 while the model is still loading."""
+        limits = self.engine.limits
+        if limits is None:
+            raise not_ready()
+        return limits
 
     def check_admitting(self) -> None:
         """New generation requests: 503 while shutting down (counted) or not ready."""

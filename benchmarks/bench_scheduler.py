@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import machine_info, save_result
 from scheduler.config import SchedulerConfig
+from scheduler.limits import EngineLimits
 from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -93,6 +94,12 @@ class Workload:
                                max_model_len=self.max_len, block_size=BLOCK_SIZE,
                                long_prefill_token_threshold=256)
 
+    @property
+    def limits(self) -> EngineLimits:
+        return EngineLimits(max_model_len=self.max_len, num_kv_blocks=self.num_blocks,
+                            block_size=BLOCK_SIZE, vocab_size=FAKE_TOKENS.stop,
+                            eos_token_ids=frozenset())
+
     def request(self, rng: random.Random) -> tuple[list[int], SamplingParams]:
         prompt = [rng.choice(self.tokens) for _ in range(rng.randint(*PROMPT_LEN))]
         max_tokens = rng.randint(*OUTPUT_LEN) if self.mixed else self.max_tokens
@@ -143,7 +150,7 @@ def bench_scheduler(num_running: int, steps: int, warmup: int, mixed: bool = Fal
                     seed: int = 0) -> dict[str, Any]:
     """schedule() and postprocess() of the bare Scheduler at N running sequences."""
     wl = Workload(num_running, mixed, warmup + steps)
-    sched = Scheduler(wl.config, wl.num_blocks)
+    sched = Scheduler(wl.config, wl.limits)
     rng, ids = random.Random(seed), itertools.count()
 
     def refill() -> None:  # closed loop: keep N sequences in flight

@@ -17,7 +17,6 @@ import logging
 import queue
 import threading
 import time
-import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,8 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.drain import DrainRate
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.protocol import EngineDeadError, EngineStats, QueueFullError
+from engine.outputs import ErrorCode, RequestOutput
+from engine.protocol import EngineDeadError, EngineLimits, EngineStats, QueueFullError
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 
@@ -59,12 +58,12 @@ class AsyncEngine:
         self.config = config
         self.engine = engine if engine is not None else LLMEngine(config)
         self.model_name = config.served_model_name or default_model_name(config.model)
-        self.max_model_len = config.scheduler.max_model_len
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._tokenizer: Tokenizer | None = None  # a copy for the event-loop thread
+        self._limits: EngineLimits | None = None  # set once loaded
         self._stats = EngineStats()
         self._ready = False
         self._dead: str | None = None
@@ -123,7 +122,7 @@ class AsyncEngine:
         tok = self.engine.tokenizer
         # HF fast tokenizers are not safe to share across threads: the API gets its own.
         self._tokenizer = Tokenizer(copy.deepcopy(tok.hf), tok.eos_token_ids)
-        self.max_model_len = self.engine.max_model_len
+        self._limits = self.engine.limits
         self._stats = self.engine.stats()
 
     async def shutdown(self) -> None:
@@ -202,6 +201,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    @property
+    def limits(self) -> EngineLimits | None:
+        """The engine's limits once the model is loaded; None before."""
+        return self._limits
+
     # ---- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -220,26 +224,20 @@ class AsyncEngine:
             self._stopped.set()
 
     def _loop_steps(self) -> None:
-        failures = 0
         while self._drain_inbox(block=not self.engine.has_unfinished()):
             if not self.engine.has_unfinished():
-                # Idle (or only aborts arrived): no step, so `failures` stays as it is.
-                self._stats = self.engine.stats()
+                self._stats = self.engine.stats()  # idle, or only aborts arrived: no step
                 continue
-            in_flight = list(self.engine.requests)
             self._busy_since = time.monotonic()
             try:
+                # A failed step does not raise: its requests get final outputs with an error.
                 outputs = self.engine.step()
-                failures = 0
-            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, the server stays up
-                failures += 1
-                outputs = []
-                self._fail_step(e, failures, in_flight)
             finally:
                 self._busy_since = None
                 self._stuck_logged = False
             self._drain.record(time.monotonic(), sum(o.finished for o in outputs))
             self._stats = self.engine.stats()
+            self._check_failures(outputs)  # before delivering: a failed client sees it dead
             if outputs:
                 self._deliver(outputs)
 
@@ -279,16 +277,15 @@ class AsyncEngine:
         # admission errors) without waiting for the first token.
         self._deliver([RequestOutput(cmd.request_id, (), "")])
 
-    def _fail_step(self, error: Exception, failures: int, in_flight: list[str]) -> None:
-        """Fail every request that was in the step (also those it finished before failing:
-        their final delta was never built), and free their blocks."""
-        logger.error("engine step failed (%d in a row): %s", failures,
-                     "".join(traceback.format_exception(error)))
-        if failures >= MAX_CONSECUTIVE_FAILURES:
-            self._dead = f"engine loop died: {error}"
-        for request_id in in_flight:
-            self.engine.abort_request(request_id)
-        self._fail_on_loop(in_flight, RuntimeError(f"engine step failed: {error}"))
+    def _check_failures(self, outputs: list[RequestOutput]) -> None:
+        """LLMEngine ended a failed step's requests and logged it ("engine step failed (N in a
+        row)"); after MAX_CONSECUTIVE_FAILURES in a row the engine is declared dead."""
+        failures = self.engine.consecutive_failures
+        if failures >= MAX_CONSECUTIVE_FAILURES and not self._dead:
+            error = next((o.error for o in outputs if o.error_code == ErrorCode.STEP_FAILED),
+                         None)
+            self._dead = f"engine loop died: {failures} steps failed in a row ({error})"
+            logger.error("%s: the engine is dead", self._dead)
 
     def _fail_on_loop(self, request_ids: list[str] | None, error: BaseException) -> None:
         """Send `error` to these requests' queues (None: all), on the event loop's thread,

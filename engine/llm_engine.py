@@ -1,6 +1,12 @@
 """LLMEngine: the synchronous core. One step = schedule() -> runner.execute() -> postprocess(),
 then per-request deltas (new token ids, text, logprobs, finish reason).
 
+Every way a request ends (EOS or length, stop string, abort, timeout, a failed step) goes
+through `_end`, which asks the scheduler to finish its sequence (the scheduler alone writes a
+Sequence's status), forgets the request and builds its final delta. A step whose forward or
+postprocessing raises does not raise out of step(): its requests end with error_code
+STEP_FAILED and the others go on (`consecutive_failures` tells the caller when to give up).
+
 Single-threaded by contract: AsyncEngine calls every method from its one engine thread.
 """
 
@@ -9,13 +15,14 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, Logprob, RequestOutput, TokenLogprobs
-from engine.protocol import EngineStats
+from engine.protocol import EngineLimits, EngineStats
 from engine.runner_output import RunnerOutput, TokenLogprobIds
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.output import SchedulerOutput
@@ -49,21 +56,34 @@ class LLMEngine:
         self.num_steps = 0
         self.clock: Callable[[], float] = time.monotonic  # deadlines are on this clock
         self._deadlines: list[tuple[float, str]] = []  # min-heap; stale entries are skipped
+        self.consecutive_failures = 0  # failed steps since the last one that succeeded
         self._tokenizer: Tokenizer | None = None
         self._scheduler: Scheduler | None = None
+        self._limits: EngineLimits | None = None
 
     def load(self) -> None:
-        """Load the model, size the KV pool and build the scheduler around it."""
+        """Load the model, size the KV pool, resolve the limits and build the scheduler."""
         if self._owns_runner:
             self.runner.load()
         r = self.runner
         self._tokenizer = Tokenizer(r.tokenizer, r.eos_token_ids)
-        max_len = min(self.config.scheduler.max_model_len, r.max_model_len)
-        sched_cfg = replace(self.config.scheduler, max_model_len=max_len, block_size=r.block_size)
-        num_blocks = min(self.config.num_kv_blocks or r.num_kv_blocks, r.num_kv_blocks)
-        self._scheduler = Scheduler(sched_cfg, num_blocks, r.eos_token_ids)
+        self._limits = limits = self._resolve_limits()
+        self._scheduler = Scheduler(self.config.scheduler, limits)
         logger.info("KV cache: %d blocks x %d tokens = %d token slots; max_model_len %d",
-                    num_blocks, r.block_size, num_blocks * r.block_size, max_len)
+                    limits.num_kv_blocks, limits.block_size,
+                    limits.num_kv_blocks * limits.block_size, limits.max_model_len)
+
+    def _resolve_limits(self) -> EngineLimits:
+        """The one place the limits are derived: a shared runner's pool may be larger than this
+        engine's config wants, and a sequence must fit the pool alone (or it could never run
+        again after a preemption), so the pool also caps max_model_len."""
+        r = self.runner
+        num_blocks = min(self.config.num_kv_blocks or r.num_kv_blocks, r.num_kv_blocks)
+        max_len = min(self.config.scheduler.max_model_len, r.max_model_len,
+                      num_blocks * r.block_size)
+        return EngineLimits(max_model_len=max_len, num_kv_blocks=num_blocks,
+                            block_size=r.block_size, vocab_size=r.vocab_size,
+                            eos_token_ids=frozenset(r.eos_token_ids))
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -76,9 +96,9 @@ class LLMEngine:
         return self._scheduler
 
     @property
-    def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) servable: the model's or the KV pool's limit."""
-        return self.scheduler.max_len
+    def limits(self) -> EngineLimits:
+        assert self._limits is not None, "load() first"
+        return self._limits
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -115,19 +135,15 @@ class LLMEngine:
 
     def check_token_ids(self, field: str, ids: Iterable[int]) -> None:
         """Token ids must exist in the model; the message starts with the field's name."""
-        vocab = self.runner.vocab_size
+        vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"{field} token id {bad} is out of range [0, {vocab})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort in any state; returns the final (abort) delta, None if unknown or done."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        self.scheduler.abort(request_id)
-        self.runner.release([request_id])
-        return self._final(req, "", None)
+        req = self.requests.get(request_id)
+        return None if req is None else self._end(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -135,16 +151,43 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        expired = self._expire_deadlines(self.clock()) if self._deadlines else []
+        """One step's deltas. Never raises for a failed forward: see _fail_step."""
+        # Deadlines first: a request past its own answers timeout even if this step fails.
+        outputs = self._expire_deadlines(self.clock()) if self._deadlines else []
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return expired
+            return outputs
+        try:
+            self._run(batch, outputs)
+        except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
+            outputs += self._fail_step(batch, e)
+        else:
+            self.consecutive_failures = 0
+        return outputs
+
+    def _run(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        """Forward, postprocess and deltas. Each delta is appended as soon as it is built: if a
+        later one raises, the requests already ended keep their final delta."""
         result = self.runner.execute(batch)
         self._collect_prompt_logprobs(batch, result)
         updated = self.scheduler.postprocess(batch, result.sampled_token_ids)
         self.num_steps += 1
-        outputs = [self._make_output(seq, result) for seq in updated]
-        return expired + [o for o in outputs if o is not None]
+        for seq in updated:
+            out = self._make_output(seq, result)
+            if out is not None:
+                outputs.append(out)
+
+    def _fail_step(self, batch: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """End every request of the failed step that has not ended yet with STEP_FAILED, which
+        frees its blocks. A bug or a device fault: the others (waiting, or preempted by this
+        step) go on, and the caller decides from consecutive_failures when to stop."""
+        self.consecutive_failures += 1
+        logger.error("engine step failed (%d in a row): %s", self.consecutive_failures,
+                     "".join(traceback.format_exception(error)))
+        reqs = [self.requests.get(seq.seq_id) for seq in batch.seqs]
+        return [self._end(req, error=f"engine step failed: {error}",
+                          error_code=ErrorCode.STEP_FAILED)
+                for req, seq in zip(reqs, batch.seqs) if req is not None and req.seq is seq]
 
     def _expire_deadlines(self, now: float) -> list[RequestOutput]:
         """Finish every request whose deadline has passed (its blocks are freed at once)."""
@@ -159,15 +202,11 @@ class LLMEngine:
 
     def _time_out(self, req: _Request, now: float) -> RequestOutput:
         seq = req.seq
-        never_scheduled = seq.first_scheduled_time is None
-        del self.requests[seq.seq_id]
-        self.scheduler.abort(seq.seq_id)
-        self.runner.release([seq.seq_id])
-        if never_scheduled:
+        if seq.first_scheduled_time is None:
             waited = now - seq.arrival_time
-            return replace(self._final(req, "", None), error_code=ErrorCode.QUEUE_TIMEOUT,
-                           error=f"request timed out after {waited:.1f} s in the queue")
-        return replace(self._final(req, req.detok.flush(), None), finish_reason="timeout")
+            return self._end(req, error_code=ErrorCode.QUEUE_TIMEOUT,
+                             error=f"request timed out after {waited:.1f} s in the queue")
+        return self._end(req, req.detok.flush(), finish_reason="timeout")
 
     def _collect_prompt_logprobs(self, batch: SchedulerOutput, result: RunnerOutput) -> None:
         for seq in batch.seqs:
@@ -186,17 +225,13 @@ class LLMEngine:
         # Stop strings count only from min_tokens on (vLLM), like EOS and stop token ids.
         check_stops = seq.num_output_tokens >= seq.params.min_tokens
         text, stop_str = req.detok.step(self._text_ids(seq, new_ids), check_stops)
-        if stop_str is not None and not seq.is_finished:
-            self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, stop_str)
-        elif stop_str is not None:  # finished by length in the same step: the stop string wins
-            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
+        if stop_str is not None:
+            self.scheduler.stop_on_string(seq, stop_str)
         logprobs = self._sampled_logprobs(seq, result, len(new_ids))
         req.num_sent_tokens += len(new_ids)
         if seq.is_finished:
             tail = "" if stop_str is not None else req.detok.flush()
-            del self.requests[seq.seq_id]
-            self.runner.release([seq.seq_id])
-            return self._final(req, text + tail, logprobs, tuple(new_ids))
+            return self._end(req, text + tail, logprobs, tuple(new_ids))
         return self._delta(req, tuple(new_ids), text, logprobs)
 
     def _text_ids(self, seq: Sequence, new_ids: list[int]) -> list[int]:
@@ -231,16 +266,26 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens)
 
-    def _final(self, req: _Request, text: str, logprobs: tuple[TokenLogprobs, ...] | None,
-               new_ids: tuple[int, ...] = ()) -> RequestOutput:
+    def _end(self, req: _Request, text: str = "",
+             logprobs: tuple[TokenLogprobs, ...] | None = None, new_ids: tuple[int, ...] = (),
+             *, finish_reason: str | None = None, error: str | None = None,
+             error_code: ErrorCode | None = None) -> RequestOutput:
+        """The one way a request ends (finish, stop string, abort, timeout, failed step): its
+        final delta. The scheduler finishes the sequence as aborted unless it finished it
+        already (EOS, length, stop string), which frees its blocks; the request is forgotten.
+        `finish_reason` overrides the status's ("timeout"); `error` marks an engine failure."""
         seq = req.seq
         if not seq.is_finished:
-            seq.status = SequenceStatus.FINISHED_ABORTED
+            self.scheduler.abort(seq.seq_id)
+        assert seq.is_finished, f"the scheduler did not finish {seq!r}"
+        del self.requests[seq.seq_id]
+        self.runner.release([seq.seq_id])
         base = self._delta(req, new_ids, text, logprobs)
         queue_time = (None if seq.first_scheduled_time is None
                       else seq.first_scheduled_time - seq.arrival_time)
-        return replace(base, finish_reason=seq.status.finish_reason,
-                       stop_reason=self._stop_reason(seq), queue_time=queue_time)
+        return replace(base, finish_reason=finish_reason or seq.status.finish_reason,
+                       stop_reason=self._stop_reason(seq), queue_time=queue_time, error=error,
+                       error_code=error_code)
 
     def _stop_reason(self, seq: Sequence) -> int | str | None:
         """As vLLM: None for EOS, the token id for a stop_token_ids hit, or the stop string."""

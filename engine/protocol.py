@@ -11,12 +11,14 @@ from typing import Any, Protocol
 
 from engine.outputs import RequestOutput
 from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
+from scheduler.limits import EngineLimits
 from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
     "MAX_LOGPROBS",
     "EngineClient",
     "EngineDeadError",
+    "EngineLimits",
     "EngineStats",
     "PromptTooLongError",
     "QueueFullError",
@@ -54,7 +56,8 @@ class EngineClient(Protocol):
     """What the HTTP layer needs from an engine."""
 
     model_name: str  # the id served in /v1/models (known before the model is loaded)
-    max_model_len: int  # valid once is_ready()
+    # Resolved once the model is loaded (None before): max_model_len, KV pool, vocabulary, EOS.
+    limits: EngineLimits | None
 
     async def start(self) -> None:
         """Load the model and start the step loop. The app's lifespan runs this as a

@@ -1,5 +1,6 @@
 """SchedulerConfig: the batching limits. The KV pool size is not here: the engine learns it
-only after loading the model, so it is passed to the Scheduler separately."""
+only after loading the model and passes it to the Scheduler in EngineLimits, with the
+max_model_len and block_size it resolved from these settings, the model and the pool."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Literal
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    max_model_len: int = 2048  # prompt + output tokens of one sequence
+    max_model_len: int = 2048  # prompt + output tokens of one sequence (an upper bound)
     block_size: int = 16  # tokens per KV block
     enable_prefix_caching: bool = True
     # One sequence may take at most this many tokens of a step's budget, so a long prompt

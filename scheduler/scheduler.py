@@ -18,25 +18,29 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
+from scheduler.limits import EngineLimits
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(
-        self, config: SchedulerConfig, num_blocks: int, eos_token_ids: Collection[int] = ()
-    ) -> None:
-        self.config = config
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+    def __init__(self, config: SchedulerConfig, limits: EngineLimits) -> None:
+        """`config`: the batching policy; `limits`: the model's and the pool's facts. The
+        sequence length, KV pool and EOS ids come from `limits` only (config.max_model_len
+        and config.block_size are inputs the engine already resolved into it)."""
         # A sequence must fit the pool alone, or it could never run after a preemption.
-        self.max_len = min(config.max_model_len, num_blocks * config.block_size)
+        if limits.max_model_len > limits.num_kv_blocks * limits.block_size:
+            raise ValueError(f"max_model_len {limits.max_model_len} does not fit the KV pool "
+                             f"({limits.num_kv_blocks} blocks of {limits.block_size} tokens)")
+        self.config = config
+        self.limits = limits
+        self.block_manager = BlockManager(limits.num_kv_blocks, limits.block_size,
+                                          config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -77,16 +81,17 @@ class Scheduler:
         self._push_waiting(seq)
 
     def _check_fits(self, n: int) -> None:
-        cfg = self.config
-        if n >= cfg.max_model_len:
-            raise PromptTooLongError(
-                f"prompt has {n} tokens, but max_model_len is {cfg.max_model_len} "
-                f"and at least one token must be generated")
-        needed = -(-(n + 1) // cfg.block_size)
-        if needed > self.block_manager.num_blocks:
-            raise PromptTooLongError(
-                f"prompt has {n} tokens; with one new token it needs {needed} KV blocks of "
-                f"{cfg.block_size} tokens, but the KV cache has {self.block_manager.num_blocks}")
+        # max_model_len never exceeds the pool (checked in __init__), so a prompt below it
+        # fits the pool with its first new token.
+        lim = self.limits
+        if n <= lim.max_prompt_len:
+            return
+        pool = lim.num_kv_blocks * lim.block_size
+        why = (f" (the KV cache holds {lim.num_kv_blocks} blocks of {lim.block_size} tokens)"
+               if lim.max_model_len == pool else "")
+        raise PromptTooLongError(f"prompt has {n} tokens, but max_model_len is "
+                                 f"{lim.max_model_len}{why} and at least one token must be "
+                                 f"generated")
 
     def _check_queue(self, n: int) -> None:
         cfg = self.config
@@ -124,6 +129,16 @@ class Scheduler:
             self.running.remove(seq)
         self._finish(seq, status, stop_reason)
         return seq
+
+    def stop_on_string(self, seq: Sequence, stop: str) -> None:
+        """A stop string matched in seq's newest text. It also wins over a length or EOS finish
+        the same step gave seq (its text ends at the stop string either way)."""
+        if self._seqs.get(seq.seq_id) is seq:
+            self.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, stop)
+        elif seq.is_finished:  # by postprocess() in this step: freed already, only relabelled
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        else:
+            raise ValueError(f"stop_on_string() needs a sequence of this scheduler, got {seq!r}")
 
     def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None) -> None:
         seq.status = status
@@ -264,11 +279,12 @@ class Scheduler:
             return
         seq.append_token(token_id)
         if seq.num_output_tokens >= params.min_tokens and (
-            (token_id in self.eos_token_ids and not params.ignore_eos)
+            (token_id in self.limits.eos_token_ids and not params.ignore_eos)
             or token_id in params.stop_token_ids
         ):
             self._finish_running(seq, SequenceStatus.FINISHED_STOPPED, token_id)
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_len:
+        elif (seq.num_output_tokens >= params.max_tokens
+              or seq.num_tokens >= self.limits.max_model_len):
             self._finish_running(seq, SequenceStatus.FINISHED_LENGTH, None)
 
     def _finish_running(

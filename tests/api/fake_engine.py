@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import Logprob, RequestOutput, TokenLogprobs
-from engine.protocol import EngineDeadError, EngineStats
+from engine.protocol import EngineDeadError, EngineLimits, EngineStats
 from scheduler.sampling_params import SamplingParams
 
 EOS, BOS, OFFSET = 0, 1, 2
@@ -55,6 +55,14 @@ class FakeEngine:
         self.dead = False
         self.started = False
         self.shut_down = False
+
+    @property
+    def limits(self) -> EngineLimits | None:
+        """None until started, as AsyncEngine's before its model is loaded."""
+        if not self.started:
+            return None
+        return EngineLimits(max_model_len=self.max_model_len, num_kv_blocks=self.max_model_len,
+                            block_size=1, vocab_size=MAX_ID, eos_token_ids=frozenset({EOS}))
 
     async def start(self) -> None:
         await asyncio.sleep(self.load_delay)

@@ -4,11 +4,12 @@ deadline fails with error_code "queue_timeout"; a running one finishes with what
 
 from __future__ import annotations
 
+from faults import FaultyRunner
 from test_llm_engine import drain, make
 
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import ErrorCode, RequestOutput
 from scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -116,3 +117,25 @@ def test_stale_deadlines_do_not_pile_up(llama_runner: ModelRunner) -> None:
         engine.add_request(f"q{i}", [3, 4], quick, deadline=clock.now + 3600)
         drain(engine)
     assert len(engine._deadlines) <= 2 * 1 + 64 + 1
+
+
+def test_deadline_that_passed_before_a_failed_step_still_answers_timeout(
+        llama_runner: ModelRunner) -> None:
+    # Deadlines are checked at the start of the step, so those requests have their answer
+    # before the forward fails: timeout / queue_timeout, not "engine step failed".
+    runner = FaultyRunner(llama_runner)
+    engine, clock = engine_with_clock(runner, max_num_seqs=2)  # type: ignore[arg-type]
+    engine.add_request("slow", [3, 4, 5], GREEDY, deadline=clock.now + 5)
+    engine.add_request("other", [6, 7, 8], GREEDY)
+    engine.add_request("queued", [9, 10, 11], GREEDY, arrival_time=clock.now,
+                       deadline=clock.now + 5)
+    engine.step()  # slow and other run, queued waits (max_num_seqs=2)
+    clock.now += 5
+    runner.fail = 1
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["slow"].finish_reason == "timeout" and outs["slow"].error is None
+    assert outs["queued"].error_code == ErrorCode.QUEUE_TIMEOUT
+    assert outs["other"].error_code == ErrorCode.STEP_FAILED
+    assert all(o.finished for o in outs.values()) and not engine.has_unfinished()
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

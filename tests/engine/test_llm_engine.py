@@ -3,15 +3,20 @@ stop strings and stop token ids, max_tokens=0 scoring, sampled logprobs, aborts.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
+from faults import FaultyRunner
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
+from engine.outputs import ErrorCode, RequestOutput
+from engine.protocol import EngineLimits, PromptTooLongError
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 
@@ -142,3 +147,87 @@ def test_stop_string_waits_for_min_tokens(llama_runner: ModelRunner) -> None:
     outs = drain(engine)["min"]
     assert sum(len(o.new_token_ids) for o in outs) == 12  # the early match did not stop it
     assert outs[-1].finish_reason == "length"
+
+
+def test_stop_string_completed_by_the_last_allowed_token_wins_over_length(
+        llama_runner: ModelRunner) -> None:
+    # The stop string is the whole 6-token answer: it completes in the step that also
+    # reaches max_tokens. The scheduler relabels that finish: "stop", not "length".
+    engine = make(llama_runner)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("free", [10, 11, 12], params)
+    text = "".join(o.new_text for o in drain(engine)["free"])
+    assert text
+    engine.add_request("both", [10, 11, 12], dataclasses.replace(params, stop=(text,)))
+    outs = drain(engine)["both"]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == text
+    assert "".join(o.new_text for o in outs) == "" and outs[-1].num_output_tokens == 6
+
+
+# ------------------------------------------------------------------------- failed steps
+
+
+def test_failed_step_ends_its_requests_and_the_others_go_on(llama_runner: ModelRunner) -> None:
+    runner = FaultyRunner(llama_runner)
+    engine = make(runner, max_num_seqs=2)  # type: ignore[arg-type]
+    p = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for rid in ("a", "b", "queued"):
+        engine.add_request(rid, [3, 4, 5], p)
+    engine.step()  # a and b run; queued waits (max_num_seqs=2)
+    runner.fail = 2
+    outs = engine.step()  # raises inside: must not raise out of step()
+    assert sorted(o.request_id for o in outs) == ["a", "b"]
+    for o in outs:
+        assert o.finished and o.error_code == ErrorCode.STEP_FAILED
+        assert o.error == "engine step failed: injected fault in step 2"
+    assert engine.consecutive_failures == 1 and sorted(engine.requests) == ["queued"]
+    assert engine.step()[0].error_code == ErrorCode.STEP_FAILED  # queued's first step fails
+    assert engine.consecutive_failures == 2
+    engine.add_request("later", [3, 4, 5], p)
+    later = drain(engine)["later"]  # drain: every block is free again
+    assert later[-1].finish_reason == "length" and later[-1].error is None
+    assert engine.consecutive_failures == 0  # a successful step resets it
+    engine.scheduler.check_invariants()
+
+
+def test_failure_after_some_requests_ended_keeps_their_final_delta(
+        llama_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Building b's delta raises after a's final delta was built: a keeps its answer ("length"),
+    # b ends with STEP_FAILED, and nothing is left behind.
+    engine = make(llama_runner)
+    engine.add_request("a", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=1))
+    engine.add_request("b", [6, 7, 8], SamplingParams(temperature=0.0, max_tokens=5))
+    make_output = engine._make_output
+
+    def failing(seq: Any, result: Any) -> RequestOutput | None:
+        if seq.seq_id == "b":
+            raise RuntimeError("detokenizer broke")
+        return make_output(seq, result)
+
+    monkeypatch.setattr(engine, "_make_output", failing)
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].finish_reason == "length" and outs["a"].error is None
+    assert outs["b"].error_code == ErrorCode.STEP_FAILED and "detokenizer broke" in (
+        outs["b"].error or "")
+    assert not engine.has_unfinished()
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+# ------------------------------------------------------------------------------- limits
+
+
+def test_limits_are_resolved_once_from_config_model_and_pool(llama_runner: ModelRunner) -> None:
+    # llama_runner: a 256-token model limit, 128 blocks of 4 tokens.
+    engine = make(llama_runner, max_model_len=200)
+    assert engine.limits == EngineLimits(
+        max_model_len=200, num_kv_blocks=128, block_size=4, vocab_size=llama_runner.vocab_size,
+        eos_token_ids=frozenset(llama_runner.eos_token_ids))
+    assert make(llama_runner, max_model_len=4096).limits.max_model_len == 256  # the model's
+    small = make(llama_runner, num_kv_blocks=10)  # the pool holds 40 tokens
+    assert (small.limits.max_model_len, small.limits.num_kv_blocks) == (40, 10)
+    assert small.scheduler.limits is small.limits
+    with pytest.raises(PromptTooLongError, match="max_model_len is 40"):
+        small.add_request("long", [3] * 40, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=r"prompt token id \d+ is out of range"):
+        small.add_request("bad", [small.limits.vocab_size], SamplingParams(max_tokens=1))

@@ -10,6 +10,10 @@ caught), writes the new slots, and samples a token that is a pure function of th
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+from scheduler.config import SchedulerConfig
+from scheduler.limits import EngineLimits
 from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -27,6 +31,20 @@ def make_seq(seq_id: str, prompt: list[int] | int, priority: int = 0,
     ids = list(range(10, 10 + prompt)) if isinstance(prompt, int) else prompt
     return Sequence(seq_id, ids, SamplingParams(**params), priority=priority,  # type: ignore[arg-type]
                     arrival_time=arrival_time)
+
+
+def make_limits(config: SchedulerConfig, num_blocks: int,
+                eos_token_ids: Collection[int] = ()) -> EngineLimits:
+    """The limits LLMEngine.load() would resolve for this config and pool (a model that
+    allows any length): max_model_len is capped by what the pool holds."""
+    return EngineLimits(max_model_len=min(config.max_model_len, num_blocks * config.block_size),
+                        num_kv_blocks=num_blocks, block_size=config.block_size,
+                        vocab_size=VOCAB, eos_token_ids=frozenset(eos_token_ids))
+
+
+def make_scheduler(config: SchedulerConfig, num_blocks: int,
+                   eos_token_ids: Collection[int] = ()) -> Scheduler:
+    return Scheduler(config, make_limits(config, num_blocks, eos_token_ids))
 
 
 class FakeRunner:

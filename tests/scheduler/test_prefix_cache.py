@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from schedsim import FakeRunner, drain, expected_output, make_seq, step
+from schedsim import FakeRunner, drain, expected_output, make_scheduler, make_seq, step
 
 from scheduler import SchedulerConfig, SequenceStatus
 from scheduler import block_manager as bm_module
@@ -23,7 +23,7 @@ def compute(bm: BlockManager, seq: Sequence, n: int, hits: list[int] | None = No
 
 
 def make_sched(num_blocks: int = 32, **cfg: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(block_size=4, **cfg), num_blocks)  # type: ignore[arg-type]
+    return make_scheduler(SchedulerConfig(block_size=4, **cfg), num_blocks)  # type: ignore[arg-type]
 
 
 def test_second_sequence_hits_shared_prefix() -> None:

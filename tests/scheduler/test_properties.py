@@ -11,10 +11,17 @@ from typing import Any
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from schedsim import FakeRunner, check_output, decoding, drain, expected_output, make_seq
+from schedsim import (
+    FakeRunner,
+    check_output,
+    decoding,
+    drain,
+    expected_output,
+    make_scheduler,
+    make_seq,
+)
 
 from scheduler import PromptTooLongError, QueueFullError, SchedulerConfig, SequenceStatus
-from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 
 EOS = 3
@@ -57,7 +64,7 @@ ops = st.lists(st.one_of(
 
 class Harness:
     def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
-        self.sched = Scheduler(config, num_blocks, eos_token_ids=[EOS])
+        self.sched = make_scheduler(config, num_blocks, eos_token_ids=[EOS])
         self.runner = FakeRunner(self.sched)
         self.seqs: list[Sequence] = []
         self.cut: set[str] = set()  # aborted or finished from outside: output may be short
@@ -89,7 +96,7 @@ class Harness:
                 self.cut.add(seq.seq_id)
 
     def check_finished(self, seq: Sequence) -> None:
-        out, max_len = seq.output_token_ids, self.sched.max_len
+        out, max_len = seq.output_token_ids, self.sched.limits.max_model_len
         assert out == expected_output(seq.prompt_token_ids, len(out))
         if seq.seq_id in self.cut:
             return

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from schedsim import FakeRunner, assert_all_free, drain, expected_output, make_seq, step
+from schedsim import (
+    FakeRunner,
+    assert_all_free,
+    drain,
+    expected_output,
+    make_limits,
+    make_scheduler,
+    make_seq,
+    step,
+)
 
 from scheduler import (
     PromptTooLongError,
@@ -12,6 +23,7 @@ from scheduler import (
     SchedulerError,
     SequenceStatus,
 )
+from scheduler.limits import EngineLimits
 from scheduler.scheduler import Scheduler
 
 
@@ -19,7 +31,7 @@ def make_sched(num_blocks: int = 64, **cfg: object) -> Scheduler:
     defaults: dict[str, object] = {"block_size": 4, "max_num_batched_tokens": 32,
                                    "max_num_seqs": 8, "max_model_len": 256}
     defaults.update(cfg)
-    return Scheduler(SchedulerConfig(**defaults), num_blocks)  # type: ignore[arg-type]
+    return make_scheduler(SchedulerConfig(**defaults), num_blocks)  # type: ignore[arg-type]
 
 
 def test_single_sequence_prefill_then_decodes() -> None:
@@ -249,14 +261,47 @@ def test_finish_with_stop_string() -> None:
 
 
 def test_too_long_prompts_are_refused() -> None:
-    sched = make_sched(num_blocks=4, max_model_len=20)
-    with pytest.raises(PromptTooLongError, match="20 tokens, but max_model_len is 20"):
+    sched = make_sched(num_blocks=8, max_model_len=20)
+    with pytest.raises(PromptTooLongError, match="20 tokens, but max_model_len is 20 and"):
         sched.add(make_seq("a", 20))
-    with pytest.raises(PromptTooLongError, match="needs 5 KV blocks of 4 tokens.* has 4"):
+    sched.add(make_seq("b", 19))  # one token left for the output
+    drain(sched)
+
+
+def test_prompts_too_long_for_the_pool_are_refused_naming_it() -> None:
+    # The limits cap max_model_len at what the pool holds (16 tokens); the message says why.
+    sched = make_sched(num_blocks=4, max_model_len=20)
+    with pytest.raises(PromptTooLongError, match=r"16 tokens, but max_model_len is 16 \(the KV "
+                                                 r"cache holds 4 blocks of 4 tokens\)"):
         sched.add(make_seq("b", 16))
     sched.add(make_seq("c", 15))  # 15 + 1 tokens fill the 4 blocks exactly
     assert sched.num_waiting == 1
     drain(sched)
+
+
+def test_limits_longer_than_the_pool_are_refused() -> None:
+    # A sequence that cannot fit the pool alone could never run again after a preemption.
+    config = SchedulerConfig(block_size=4, max_model_len=20)
+    with pytest.raises(ValueError, match="max_model_len 20 does not fit the KV pool"):
+        Scheduler(config, replace(make_limits(config, 4), max_model_len=20))
+
+
+def test_limits_not_config_decide_length_pool_and_eos() -> None:
+    # config says 256 tokens, block 4, no EOS; the limits (resolved by the engine) win.
+    config = SchedulerConfig(block_size=4, max_model_len=256, max_num_batched_tokens=32)
+    limits = EngineLimits(max_model_len=9, num_kv_blocks=6, block_size=3, vocab_size=50,
+                          eos_token_ids=frozenset({7}))
+    sched = Scheduler(config, limits)
+    assert sched.block_manager.block_size == 3 and sched.block_manager.num_blocks == 6
+    seq = make_seq("a", 6, max_tokens=100)
+    sched.add(seq)
+    while not seq.is_finished:
+        sched.postprocess(sched.schedule(), {"a": 5})
+    assert seq.num_tokens == 9 and seq.status == SequenceStatus.FINISHED_LENGTH
+    eos = make_seq("b", 3, max_tokens=100)
+    sched.add(eos)
+    sched.postprocess(sched.schedule(), {"b": 7})
+    assert eos.status == SequenceStatus.FINISHED_STOPPED and eos.stop_reason == 7
 
 
 def test_queue_bounds() -> None:

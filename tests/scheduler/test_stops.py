@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from schedsim import assert_all_free, make_seq
+import pytest
+from schedsim import assert_all_free, make_scheduler, make_seq
 
 from scheduler import SchedulerConfig, SequenceStatus
-from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 
 EOS = 0
@@ -15,7 +15,7 @@ def run_with_tokens(seq: Sequence, tokens: list[int], max_model_len: int = 256,
                     num_blocks: int = 64) -> list[Sequence]:
     """Feed `tokens` as the sampled ids, one per step, until seq finishes or they run out."""
     cfg = SchedulerConfig(block_size=4, max_model_len=max_model_len)
-    sched = Scheduler(cfg, num_blocks, eos_token_ids=[EOS])
+    sched = make_scheduler(cfg, num_blocks, eos_token_ids=[EOS])
     sched.add(seq)
     returned: list[Sequence] = []
     for tok in tokens:
@@ -80,3 +80,33 @@ def test_max_tokens_zero_drops_the_sample() -> None:
 def test_unfinished_sequence_is_returned_each_sample() -> None:
     seq = make_seq("a", 5, max_tokens=10)
     assert len(run_with_tokens(seq, [3, 4])) == 2 and seq.is_finished  # aborted at the end
+
+
+def test_stop_string_finishes_a_running_sequence() -> None:
+    sched = make_scheduler(SchedulerConfig(block_size=4), 16, eos_token_ids=[EOS])
+    seq = make_seq("a", 5, max_tokens=10)
+    sched.add(seq)
+    sched.postprocess(sched.schedule(), {"a": 7})
+    sched.stop_on_string(seq, "###")
+    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason == "###"
+    assert sched.get("a") is None
+    assert_all_free(sched)
+
+
+def test_stop_string_wins_over_a_length_finish_of_the_same_step() -> None:
+    sched = make_scheduler(SchedulerConfig(block_size=4), 16, eos_token_ids=[EOS])
+    seq = make_seq("a", 5, max_tokens=1)
+    sched.add(seq)
+    sched.postprocess(sched.schedule(), {"a": 7})
+    assert seq.status == SequenceStatus.FINISHED_LENGTH
+    sched.stop_on_string(seq, "###")  # the text of that last token held a stop string
+    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason == "###"
+    assert_all_free(sched)
+
+
+def test_stop_string_on_a_sequence_the_scheduler_never_held_is_refused() -> None:
+    sched = make_scheduler(SchedulerConfig(block_size=4), 16)
+    stranger = make_seq("a", 5)
+    with pytest.raises(ValueError, match="needs a sequence of this scheduler"):
+        sched.stop_on_string(stranger, "###")
+    assert stranger.status == SequenceStatus.WAITING
