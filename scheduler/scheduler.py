@@ -174,7 +174,6 @@ class Scheduler:
                 n = min(n, self._prefill_left)
                 if n == 0:
                     continue  # its next chunk waits for a step with room
-                self._prefill_left -= n
             while not self.block_manager.can_allocate(seq, n):
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out)
@@ -182,10 +181,17 @@ class Scheduler:
                     break
             else:  # no break: there is room for seq now
                 self.block_manager.allocate(seq, n)
-                out.seqs.append(seq)
-                out.num_scheduled_tokens.append(n)
+                self._take(out, seq, n)
                 budget -= n
         return budget
+
+    def _take(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        """Schedule n tokens of a running seq. The prompt-token cap is debited only here, once
+        the chunk has its blocks: a chunk that is preempted gives it back (see _preempt)."""
+        out.seqs.append(seq)
+        out.num_scheduled_tokens.append(n)
+        if n > 1:
+            self._prefill_left -= n
 
     def _pick_victim(self) -> Sequence:
         if self.config.policy == "priority":
@@ -209,7 +215,10 @@ class Scheduler:
             return 0
         i = out.seqs.index(seq)
         del out.seqs[i]
-        return out.num_scheduled_tokens.pop(i)
+        n = out.num_scheduled_tokens.pop(i)
+        if n > 1:  # its prefill chunk no longer counts against this step's prompt-token cap
+            self._prefill_left += n
+        return n
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         queue = list(self.waiting)

@@ -347,3 +347,48 @@ def test_empty_schedule() -> None:
     out = sched.schedule()
     assert out.is_empty and sched.postprocess(out, {}) == []
     assert_all_free(sched)
+
+
+def test_preempted_prefill_chunk_gives_back_its_prompt_tokens() -> None:
+    # While "d" decodes a step takes 6 prompt tokens. "low" (worst priority, admitted before
+    # "high") is scheduled a 4-token chunk, finds no free block and is itself the victim.
+    # Its chunk left the step, so "high" may take a full 4-token chunk, not the 2 left over.
+    sched = make_sched(num_blocks=5, policy="priority", max_num_batched_tokens=16,
+                       long_prefill_token_threshold=4, decode_step_prefill_tokens=6,
+                       enable_prefix_caching=False)
+    runner = FakeRunner(sched)
+    sched.add(make_seq("d", 3, max_tokens=20))
+    step(sched, runner)  # d's prompt: d now decodes
+    sched.add(make_seq("low", list(range(100, 116)), priority=5))
+    step(sched, runner)  # low admitted with a 4-token chunk
+    sched.add(make_seq("high", list(range(200, 216))))
+    out, _ = step(sched, runner)  # low 4 more, high admitted with the 2 prompt tokens left
+    assert out.num_scheduled_tokens == [1, 4, 2] and sched.block_manager.num_free_blocks == 0
+    out, _ = step(sched, runner)
+    assert out.preempted_ids == ["low"]
+    assert dict(zip([s.seq_id for s in out.seqs], out.num_scheduled_tokens)) == {"d": 1,
+                                                                                  "high": 4}
+    drain(sched, runner)
+
+
+def test_victim_scheduled_earlier_in_the_step_gives_back_its_prompt_tokens() -> None:
+    # While "d" decodes a step takes 10 prompt tokens. "low" (worst priority, admitted first)
+    # is scheduled a 4-token chunk; "y" then needs a block and preempts it. low's chunk left
+    # the step, so "z" after them may take a full 4-token chunk, not the 2 left over.
+    sched = make_sched(num_blocks=7, policy="priority", max_num_batched_tokens=16,
+                       long_prefill_token_threshold=4, decode_step_prefill_tokens=10,
+                       enable_prefix_caching=False)
+    runner = FakeRunner(sched)
+    sched.add(make_seq("d", 3, max_tokens=20))
+    step(sched, runner)
+    sched.add(make_seq("low", list(range(100, 116)), priority=5))
+    step(sched, runner)
+    sched.add(make_seq("y", list(range(200, 216))))
+    sched.add(make_seq("z", list(range(300, 316))))
+    out, _ = step(sched, runner)  # low 4 more; y and z admitted with the 6 prompt tokens left
+    assert out.num_scheduled_tokens == [1, 4, 4, 2] and sched.block_manager.num_free_blocks == 1
+    out, _ = step(sched, runner)
+    assert out.preempted_ids == ["low"]
+    assert dict(zip([s.seq_id for s in out.seqs], out.num_scheduled_tokens)) == {"d": 1, "y": 4,
+                                                                                  "z": 4}
+    drain(sched, runner)
