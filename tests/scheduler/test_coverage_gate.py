@@ -1,7 +1,8 @@
 """The scheduler is pure policy and fully unit-testable: keep it at 100% line coverage.
 
-Runs the scheduler tests once more under coverage in a subprocess (about 10 s), so the
-gate holds in every default test run and in CI without tracing the torch-heavy tests."""
+Runs the deterministic scheduler tests once more under coverage in a subprocess (a few
+seconds), so the gate holds in every default test run and in CI without tracing the
+torch-heavy tests."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ def test_scheduler_line_coverage_is_100_percent(tmp_path: Path) -> None:
     pytest.importorskip("pytest_cov")
     cmd = [sys.executable, "-m", "pytest", "tests/scheduler", "-q", "-p", "no:cacheprovider",
            "--cov=scheduler", "--cov-report=term-missing", "--cov-fail-under=100",
-           "--deselect", "tests/scheduler/test_coverage_gate.py"]
+           "--deselect", "tests/scheduler/test_coverage_gate.py",
+           # Coverage must not rest on random examples: a line only some hypothesis examples
+           # reach made the gate fail about one run in 13. The property tests still run in
+           # the suite; here the deterministic tests alone must reach every line.
+           "--ignore", "tests/scheduler/test_properties.py"]
     env = {**os.environ, "COVERAGE_FILE": str(tmp_path / ".coverage"),
            "PAGEDSERVE_COVERAGE_GATE": "0"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False,

@@ -349,6 +349,24 @@ def test_empty_schedule() -> None:
     assert_all_free(sched)
 
 
+def test_running_prefill_waits_when_the_steps_prompt_tokens_are_used_up() -> None:
+    # While "d" decodes, a step takes at most 4 prompt tokens: "a"'s chunk uses them all, so
+    # "b", also mid-prompt, waits for the next step (and is not preempted or dropped).
+    sched = make_sched(max_num_batched_tokens=16, long_prefill_token_threshold=4,
+                       decode_step_prefill_tokens=4, enable_prefix_caching=False)
+    d, a, b = make_seq("d", 3, max_tokens=8), make_seq("a", 16), make_seq("b", 16)
+    for seq in (d, a, b):
+        sched.add(seq)
+    runner = FakeRunner(sched)
+    out, _ = step(sched, runner)  # nothing decodes yet: no cap, every prompt gets a chunk
+    assert out.num_scheduled_tokens == [3, 4, 4]
+    out, _ = step(sched, runner)
+    assert [s.seq_id for s in out.seqs] == ["d", "a"] and out.num_scheduled_tokens == [1, 4]
+    assert b.status == SequenceStatus.RUNNING and b.num_computed_tokens == 4
+    assert not out.preempted_ids
+    drain(sched, runner)
+
+
 def test_preempted_prefill_chunk_gives_back_its_prompt_tokens() -> None:
     # While "d" decodes a step takes 6 prompt tokens. "low" (worst priority, admitted before
     # "high") is scheduled a 4-token chunk, finds no free block and is itself the victim.
