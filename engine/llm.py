@@ -33,6 +33,7 @@ class Completion:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # the engine failed this prompt (finish_reason is then "abort")
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_token_ids is not None:
@@ -44,6 +45,7 @@ class Completion:
         self.logprobs.extend(out.logprobs or ())
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         self.num_cached_tokens = out.num_cached_tokens
+        self.error = out.error
 
 
 class LLM:

@@ -12,6 +12,7 @@ import torch
 from faults import FaultyRunner
 
 from engine.config import EngineConfig
+from engine.llm import Completion
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -231,3 +232,14 @@ def test_limits_are_resolved_once_from_config_model_and_pool(llama_runner: Model
         small.add_request("long", [3] * 40, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match=r"prompt token id \d+ is out of range"):
         small.add_request("bad", [small.limits.vocab_size], SamplingParams(max_tokens=1))
+
+
+def test_offline_completion_keeps_the_error_of_a_failed_step(llama_runner: ModelRunner) -> None:
+    # LLM.generate no longer sees an exception from step(): the failure is per prompt.
+    engine = make(FaultyRunner(llama_runner, fail=1))  # type: ignore[arg-type]
+    engine.add_request("x", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=3))
+    done = Completion("x")
+    for out in engine.step():
+        done.add(out)
+    assert done.finish_reason == "abort" and done.error is not None
+    assert done.error.startswith("engine step failed: injected fault")
