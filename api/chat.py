@@ -9,7 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from api.errors import CLIENT_CLOSED, APIError, bad_request
+from api.errors import CLIENT_CLOSED, bad_request, from_engine_error
 from api.params import read_json
 from api.protocol_chat import ChatRequest, parse_chat
 from api.responses import (
@@ -25,7 +25,7 @@ from api.sampling import build_params, check_context
 from api.sse import sse_response
 from api.state import AppState, new_request_id, now, tokenize_text
 from api.streams import Job, MergedStream, run_unless_disconnected, start_stream
-from engine.protocol import EngineClient
+from engine.protocol import EngineClient, EngineDeadError, EngineLimits
 
 CHUNK = "chat.completion.chunk"
 
@@ -36,7 +36,8 @@ async def create_chat_completion(request: Request) -> Response:
     req = parse_chat(await read_json(request, app.max_body_bytes))
     app.check_model(req.model)
     app.check_admitting()
-    prompt = render_chat(app.engine, req.messages, req.add_generation_prompt)
+    prompt = await render_chat(app.engine, req.messages, req.add_generation_prompt,
+                               limits=app.limits())
     rid, created = new_request_id("chatcmpl"), now()
     deadline = app.deadline(arrival, req.sampling.timeout)
     stream = await start_stream(app.engine, _jobs(app, req, prompt, rid, deadline),
@@ -52,18 +53,21 @@ async def create_chat_completion(request: Request) -> Response:
     return JSONResponse(body) if body is not None else Response(status_code=CLIENT_CLOSED)
 
 
-def render_chat(engine: EngineClient, messages: list[dict[str, Any]],
-                add_generation_prompt: bool, add_special_tokens: bool = False) -> list[int]:
+async def render_chat(engine: EngineClient, messages: list[dict[str, Any]],
+                      add_generation_prompt: bool, add_special_tokens: bool = False,
+                      limits: EngineLimits | None = None) -> list[int]:
     """The chat template's text, tokenized; by default without extra special tokens (the
-    template has its own BOS where the model wants one)."""
+    template has its own BOS where the model wants one). `messages` were validated by
+    parse_messages; given the limits, a text too long to ever fit is refused untokenized."""
     try:
-        text = engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    except APIError:
-        raise
+        text = await engine.apply_chat_template(messages,
+                                                add_generation_prompt=add_generation_prompt)
+    except EngineDeadError as e:
+        raise from_engine_error(e, engine.stats()) from None
     except Exception as e:  # noqa: BLE001 - templates raise anything on the client's input
         raise bad_request(f"messages cannot be rendered by the chat template: {e}",
                           param="messages") from None
-    return tokenize_text(engine, text, add_special_tokens=add_special_tokens, param="messages")
+    return await tokenize_text(engine, text, add_special_tokens, "messages", limits)
 
 
 def _jobs(app: AppState, req: ChatRequest, prompt: list[int], rid: str,

@@ -14,10 +14,13 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from api.server import DEFAULT_SHUTDOWN_TIMEOUT_S
+from api.server import DEFAULT_SHUTDOWN_TIMEOUT_S, GracefulServer
 from api.state import DEFAULT_MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from engine.async_engine import AsyncEngine
 
 logger = logging.getLogger("pagedserve")
 
@@ -149,7 +152,6 @@ def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from api.app import create_app
-    from api.server import GracefulServer
     from api.state import AppState
     from engine.async_engine import AsyncEngine  # torch loads here, not at import
     from engine.config import load_config
@@ -157,7 +159,7 @@ def serve(args: argparse.Namespace) -> None:
     config = load_config(args.config, **config_overrides(args))
     if config.num_threads is None:
         config = dataclasses.replace(config, num_threads=serving_threads())
-    engine = AsyncEngine(config, step_loop_on_caller=True)
+    engine = AsyncEngine(config)
     app = create_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
     logger.info("serving %s at http://%s:%d/v1 (loading the model in the background; "
@@ -165,8 +167,16 @@ def serve(args: argparse.Namespace) -> None:
     http = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                           timeout_graceful_shutdown=10)
     server = GracefulServer(http, AppState.of_app(app).lifecycle, args.shutdown_timeout)
-    # HTTP on a thread, the engine's step loop on this (main) thread: see
-    # AsyncEngine.run_step_loop. Signals reach the main thread, which hands them over.
+    # Signals reach the main thread, which hands them to the HTTP server.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, server.handle_exit)
+    run_serving(engine, server)
+
+
+def run_serving(engine: AsyncEngine, server: GracefulServer) -> None:
+    """HTTP on a thread of its own, the engine's step loop on the calling thread (see
+    AsyncEngine.run_step_loop), until the server stops. The CLI calls it from the main
+    thread; tests call it from a thread they start, so both run the same path."""
     def serve_http() -> None:
         try:
             server.run()
@@ -174,8 +184,6 @@ def serve(args: argparse.Namespace) -> None:
             engine.request_stop()
 
     thread = threading.Thread(target=serve_http, name="pagedserve-http")
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, server.handle_exit)
     thread.start()
     engine.run_step_loop()  # returns once the server's shutdown has stopped the engine
     thread.join()

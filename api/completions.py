@@ -51,7 +51,7 @@ async def create_completion(request: Request) -> Response:
     req = parse_completion(await read_json(request, app.max_body_bytes))
     app.check_model(req.model)
     app.check_admitting()
-    groups = [_prepare(app.engine, p, req.echo) for p in req.prompts]
+    groups = [await _prepare(app, p, req.echo) for p in req.prompts]
     meta = _Meta(new_request_id("cmpl"), now(), app.served_model_name)
     jobs = _jobs(app, req, groups, meta.id, app.deadline(arrival, req.sampling.timeout))
     stream = await start_stream(app.engine, jobs, app.metrics, app.lifecycle)
@@ -64,13 +64,14 @@ async def create_completion(request: Request) -> Response:
     return JSONResponse(body) if body is not None else Response(status_code=CLIENT_CLOSED)
 
 
-def _prepare(engine: EngineClient, prompt: Prompt, echo: bool) -> _Group:
+async def _prepare(app: AppState, prompt: Prompt, echo: bool) -> _Group:
     if isinstance(prompt, str):
-        return _Group(tokenize_text(engine, prompt, True, "prompt"), prompt if echo else "")
+        ids = await tokenize_text(app.engine, prompt, True, "prompt", app.limits())
+        return _Group(ids, prompt if echo else "")
     if not echo:
         return _Group(prompt, "")
     try:
-        return _Group(prompt, engine.detokenize(prompt))
+        return _Group(prompt, await app.engine.detokenize(prompt))
     except (ValueError, IndexError, OverflowError, TypeError) as e:
         raise bad_request(f"prompt contains invalid token ids: {e}", param="prompt") from None
 
@@ -90,21 +91,21 @@ def _jobs(app: AppState, req: CompletionRequest, groups: list[_Group], rid: str,
     return jobs
 
 
-def _echo_entries(engine: EngineClient, out: RequestOutput) -> list[LogprobEntry]:
+async def _echo_entries(engine: EngineClient, out: RequestOutput) -> list[LogprobEntry]:
     """Prompt logprobs as entries; the first token has none, so its text is decoded here."""
     ids, lps = out.prompt_token_ids or (), out.prompt_logprobs or ()
-    return [(lp.chosen.token if lp is not None else engine.detokenize([tid]), lp)
+    return [(lp.chosen.token if lp is not None else await engine.detokenize([tid]), lp)
             for tid, lp in zip(ids, lps)]
 
 
-def _delta(engine: EngineClient, req: CompletionRequest, group: _Group, state: ChoiceState,
+async def _delta(engine: EngineClient, req: CompletionRequest, group: _Group, state: ChoiceState,
            out: RequestOutput) -> tuple[str, list[LogprobEntry]]:
     """The text and logprob entries this delta adds; the first one carries the echo."""
     text, entries = out.new_text, token_entries(out)
     if req.echo and not state.prompt_seen and out.prompt_token_ids is not None:
         text = group.echo_text + text
         if req.logprobs is not None:
-            entries = _echo_entries(engine, out) + entries
+            entries = await _echo_entries(engine, out) + entries
     state.add(out)
     return text, entries
 
@@ -117,7 +118,7 @@ async def _collect(stream: MergedStream, req: CompletionRequest, groups: list[_G
     texts: list[list[str]] = [[] for _ in states]
     entries: list[list[LogprobEntry]] = [[] for _ in states]
     async for i, out in stream:
-        text, new_entries = _delta(engine, req, groups[i // n], states[i], out)
+        text, new_entries = await _delta(engine, req, groups[i // n], states[i], out)
         texts[i].append(text)
         entries[i].extend(new_entries)
     choices = [completion_choice(i, "".join(texts[i]), _logprobs(req, entries[i], 0), s)
@@ -144,7 +145,7 @@ async def _events(stream: MergedStream, req: CompletionRequest, groups: list[_Gr
     try:
         async for i, out in stream:
             state = states[i]
-            text, entries = _delta(engine, req, groups[i // n], state, out)
+            text, entries = await _delta(engine, req, groups[i // n], state, out)
             if not text and not entries and not out.finished:
                 continue  # e.g. a prefill chunk or held-back partial text: nothing to say
             logprobs = _logprobs(req, entries, state.text_offset)

@@ -17,12 +17,22 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from engine.protocol import EngineDeadError, PromptTooLongError, QueueFullError
+from engine.protocol import (
+    EngineDeadError,
+    EngineStats,
+    InvalidParamError,
+    PromptTooLongError,
+    QueueFullError,
+)
 
 logger = logging.getLogger("pagedserve.api")
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody reads it
-RETRY_AFTER_S = 1  # a 429's Retry-After when the engine gave no estimate
+# A 429's Retry-After: about when the requests queued ahead have drained, clamped so a burst
+# right after start (no history) or a stalled engine never asks for more than a minute.
+MIN_RETRY_S = 1
+MAX_RETRY_S = 60
+UNKNOWN_RETRY_S = 5  # nothing finished lately: no rate to estimate from
 
 
 @dataclass(eq=False)
@@ -62,10 +72,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def from_value_error(exc: ValueError) -> APIError:
-    """SamplingParams (and our parsers) start every message with the field's name."""
-    message = str(exc)
-    return bad_request(message, param=_leading_word(message) or None)
+def retry_after_s(stats: EngineStats) -> int:
+    """Whole seconds until the requests waiting now are expected to have drained."""
+    if not stats.finish_rate:
+        return UNKNOWN_RETRY_S
+    wait = math.ceil(max(stats.num_waiting, 1) / stats.finish_rate)
+    return max(MIN_RETRY_S, min(MAX_RETRY_S, wait))
 
 
 def not_ready() -> APIError:
@@ -73,40 +85,26 @@ def not_ready() -> APIError:
                     type="server_error", code="engine_not_ready")
 
 
-def from_engine_error(exc: BaseException) -> APIError:
-    """Map what EngineClient.generate raises to the client's answer (None of these are bugs)."""
+def from_engine_error(exc: BaseException, stats: EngineStats) -> APIError:
+    """Map what EngineClient.submit raises (or a stream raises) to the client's answer;
+    `stats` gives a 429 its Retry-After. None of these are bugs but the last."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param="prompt", code="context_length_exceeded",
                         reason="prompt_too_long")
     if isinstance(exc, QueueFullError):
-        retry = math.ceil(exc.retry_after_s) if exc.retry_after_s else RETRY_AFTER_S
         return APIError(429, f"The server is overloaded, retry later: {exc}",
                         type="rate_limit_error", code="rate_limit_exceeded",
-                        headers={"Retry-After": str(retry)}, reason=exc.limit)
+                        headers={"Retry-After": str(retry_after_s(stats))}, reason=exc.limit)
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"The engine is not available: {exc}", type="server_error",
                         code="engine_dead", reason="engine_dead")
-    if isinstance(exc, ValueError):  # the engine refused a request parameter
-        return bad_request(str(exc), param=_named_param(str(exc)))
+    if isinstance(exc, InvalidParamError):
+        return bad_request(str(exc), param=exc.param)
     logger.error("request failed in the engine", exc_info=exc)
     return APIError(500, f"The engine failed this request: {exc}", type="server_error",
                     code="internal_error")
-
-
-# Parameters the engine itself checks (against the model's vocabulary); its ValueError
-# messages start with the parameter's name.
-ENGINE_CHECKED_PARAMS = ("prompt", "logit_bias", "stop_token_ids")
-
-
-def _named_param(message: str) -> str | None:
-    first = _leading_word(message)
-    return first if first in ENGINE_CHECKED_PARAMS else None
-
-
-def _leading_word(message: str) -> str:
-    return message.split(" ", 1)[0]
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.outputs import RequestOutput
+from engine.outputs import ErrorCode, RequestOutput
 from engine.protocol import EngineClient, EngineStats
 
 P = "pagedserve:"
@@ -114,7 +114,7 @@ class RequestTracker:
         self._m.e2e.observe(time.monotonic() - self._arrival)
 
     def _finish(self, out: RequestOutput, now: float) -> None:
-        if out.error_code == "queue_timeout":  # admitted, but refused late: never ran
+        if out.error_code == ErrorCode.QUEUE_TIMEOUT:  # admitted, but refused late: never ran
             self._m.rejections.labels(reason="queue_timeout").inc()
         self._m.prompt_tokens.inc(self._num_prompt_tokens)
         self._m.request_success.labels(finished_reason=out.finish_reason).inc()

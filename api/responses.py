@@ -26,7 +26,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # The engine sends the prompt (ids, logprobs) once, on the first delta that carries
-    # tokens or on the final one; an earlier empty "accepted" delta does not count.
+    # tokens or on the final one; an earlier empty delta (a prefill chunk) does not count.
     prompt_seen: bool = False
 
     def add(self, out: RequestOutput) -> None:

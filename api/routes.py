@@ -49,12 +49,12 @@ async def tokenize(request: Request) -> Response:
     warn_unknown(body, TOKENIZE_FIELDS, "/tokenize")
     app.check_model(get_str(body, "model"))
     app.check_ready()
-    tokens = _tokens_of(app, body)
+    tokens = await _tokens_of(app, body)
     return JSONResponse({"count": len(tokens), "max_model_len": app.limits().max_model_len,
                          "tokens": tokens})
 
 
-def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
+async def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
     """`prompt` (special tokens added by default) or `messages` (through the chat template,
     which has its own special tokens: none added by default), as vLLM does."""
     if ("prompt" in body) == ("messages" in body):
@@ -63,10 +63,10 @@ def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
         prompt = get_str(body, "prompt")
         if prompt is None:
             raise bad_request("prompt must be a string", param="prompt")
-        return tokenize_text(app.engine, prompt, get_bool(body, "add_special_tokens", True),
-                             "prompt")
+        return await tokenize_text(app.engine, prompt,
+                                   get_bool(body, "add_special_tokens", True), "prompt")
     messages = parse_messages(body["messages"])
-    return render_chat(app.engine, messages, get_bool(body, "add_generation_prompt", True),
+    return await render_chat(app.engine, messages, get_bool(body, "add_generation_prompt", True),
                        get_bool(body, "add_special_tokens", False))
 
 
@@ -80,7 +80,7 @@ async def detokenize(request: Request) -> Response:
         raise bad_request("tokens is required", param="tokens")
     app.check_ready()
     try:
-        text = app.engine.detokenize(tokens)
+        text = await app.engine.detokenize(tokens)
     except (ValueError, IndexError, OverflowError, TypeError) as e:
         raise bad_request(f"tokens contains invalid token ids: {e}", param="tokens") from None
     return JSONResponse({"prompt": text})

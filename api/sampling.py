@@ -11,10 +11,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from api.errors import APIError, bad_request, from_value_error
+from api.errors import APIError, bad_request
 from api.params import INT64_MAX, check_int, get_bool, get_float, get_int, get_int_list
 from engine.protocol import (
     MAX_LOGPROBS,  # noqa: F401 - one cap, shared with the engine (re-exported)
+    InvalidParamError,
     SamplingParams,
 )
 
@@ -144,8 +145,8 @@ def build_params(args: SamplingArgs, max_tokens: int, **extra: Any) -> list[Samp
     """One SamplingParams per choice; `extra` sets logprobs/prompt_logprobs."""
     try:
         base = SamplingParams(max_tokens=max_tokens, seed=args.seed, **args.fields, **extra)
-    except ValueError as e:
-        raise from_value_error(e) from None
+    except InvalidParamError as e:
+        raise bad_request(str(e), param=e.param) from None
     if args.seed is None:
         return [base] * args.n
     return [dataclasses.replace(base, seed=args.seed + i) for i in range(args.n)]

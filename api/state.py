@@ -77,13 +77,29 @@ def now() -> int:
     return int(time.time())
 
 
-def tokenize_text(engine: EngineClient, text: str, add_special_tokens: bool,
-                  param: str) -> list[int]:
-    """engine.tokenize, with a text the tokenizer refuses (e.g. a lone UTF-16 surrogate,
-    which JSON allows) answered as a 400 instead of a 500."""
+async def tokenize_text(engine: EngineClient, text: str, add_special_tokens: bool,
+                        param: str, limits: EngineLimits | None = None) -> list[int]:
+    """engine.tokenize (off the event loop), with a text the tokenizer refuses (e.g. a lone
+    UTF-16 surrogate, which JSON allows) answered as a 400 instead of a 500. Given the
+    limits, a text too long to ever fit is refused before it is tokenized."""
+    if limits is not None:
+        check_text_fits(text, limits, param)
     try:
-        return engine.tokenize(text, add_special_tokens=add_special_tokens)
+        return await engine.tokenize(text, add_special_tokens=add_special_tokens)
     except EngineDeadError as e:
-        raise from_engine_error(e) from None
+        raise from_engine_error(e, engine.stats()) from None
     except Exception as e:  # noqa: BLE001 - tokenizers raise various types on bad text
         raise bad_request(f"{param} cannot be tokenized: {e}", param=param) from None
+
+
+def check_text_fits(text: str, limits: EngineLimits, param: str) -> None:
+    """A 400 for a text that tokenizes to more than max_prompt_len tokens however it splits
+    (every token covers at most so many bytes): no tokenizer time is spent on it."""
+    cap = limits.max_prompt_bytes
+    if cap is None or len(text) * 4 <= cap:  # 4 bytes per character at most: no encode
+        return
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > cap:
+        raise APIError(400, f"{param} is {size} bytes long, more than any text of this "
+                       f"model's maximum context length ({limits.max_model_len} tokens) can "
+                       "be", param=param, code="context_length_exceeded")

@@ -1,10 +1,10 @@
 """Fan-out of one HTTP request into engine requests, and fan-in of their deltas.
 
-n > 1 and multiple prompts become several engine requests that run concurrently: one asyncio
-task per engine stream pumps deltas into a shared queue, so the client sees them interleaved
-as the engine produces them. `close()` (always reached through `finally`) cancels the pumps
-and aborts every engine request that has not finished, which is how a client disconnect
-frees KV blocks.
+n > 1 and multiple prompts become several engine requests that run concurrently: they are
+submitted together, then one asyncio task per engine stream pumps deltas into a shared queue,
+so the client sees them interleaved as the engine produces them. `close()` (always reached
+through `finally`) cancels the pumps and closes every engine stream, which aborts those that
+have not finished: that is how a client disconnect frees KV blocks.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from starlette.types import Receive
 from api.errors import APIError, from_engine_error
 from api.lifecycle import Lifecycle
 from api.metrics import RequestTracker, ServerMetrics
-from engine.outputs import RequestOutput
-from engine.protocol import EngineClient, SamplingParams
+from engine.outputs import ErrorCode, RequestOutput
+from engine.protocol import EngineClient, RequestStream, SamplingParams
 
 T = TypeVar("T")
 
@@ -51,40 +51,39 @@ class MergedStream:
         self._jobs = jobs
         self._lifecycle = lifecycle  # told when the stream opens and closes (shutdown drain)
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._buffer: list[_Item] = []
+        self._streams: list[RequestStream] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self._finished: set[int] = set()
-        self._failed: set[int] = set()  # refused or failed by the engine: nothing to abort
         self._closed = False
 
     async def start(self) -> None:
-        """Start every engine request and wait for each one's first delta, so an admission
-        error (prompt too long, queue full, engine dead) becomes the HTTP status."""
-        self._tasks = [asyncio.create_task(self._pump(i, job)) for i, job in enumerate(self._jobs)]
-        waiting = set(range(len(self._jobs)))
-        try:
-            while waiting:
-                i, item = await self._queue.get()
-                if isinstance(item, BaseException):
-                    raise from_engine_error(item) from item
-                waiting.discard(i)
-                self._buffer.append((i, item))
-        except BaseException:
+        """Submit every engine request at once (one trip to the engine thread); if any is
+        refused (prompt too long, queue full, engine dead), the admitted ones are closed and
+        the refusal becomes the HTTP status."""
+        results = await asyncio.gather(*(self._submit(job) for job in self._jobs),
+                                       return_exceptions=True)
+        self._streams = [r for r in results if isinstance(r, RequestStream)]
+        refused = next((r for r in results if isinstance(r, BaseException)), None)
+        if refused is not None:
             await self.close()
-            raise
+            if not isinstance(refused, Exception):
+                raise refused  # cancelled: the client went away
+            raise from_engine_error(refused, self.engine.stats()) from refused
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
         if self._lifecycle is not None:
             self._lifecycle.opened(self)
 
-    async def _pump(self, i: int, job: Job) -> None:
+    async def _submit(self, job: Job) -> RequestStream:
+        return await self.engine.submit(job.request_id, job.prompt, job.params, job.priority,
+                                        job.deadline)
+
+    async def _pump(self, i: int, stream: RequestStream) -> None:
+        tracker = self._jobs[i].tracker
         try:
-            stream = self.engine.generate(job.request_id, job.prompt, job.params, job.priority,
-                                          job.deadline)
             async for out in stream:
-                job.tracker.on_output(out)
+                tracker.on_output(out)
                 await self._queue.put((i, out))
             await self._queue.put((i, None))
         except Exception as e:  # noqa: BLE001 - the consumer decides what the client sees
-            self._failed.add(i)
             await self._queue.put((i, e))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -92,14 +91,12 @@ class MergedStream:
         error is raised as an APIError."""
         ended: set[int] = set()
         while len(ended) < len(self._jobs):
-            i, item = self._buffer.pop(0) if self._buffer else await self._queue.get()
+            i, item = await self._queue.get()
             if isinstance(item, BaseException):
-                raise from_engine_error(item) from item
-            if item is None:  # the engine closed a stream without a final delta
+                raise from_engine_error(item, self.engine.stats()) from item
+            if item is None:  # the stream ended (after its final delta)
                 ended.add(i)
                 continue
-            if item.finished:
-                self._finished.add(i)
             if item.error is not None:
                 raise _output_error(item)
             yield i, item
@@ -109,8 +106,9 @@ class MergedStream:
         self._queue.put_nowait((-1, error))
 
     async def close(self) -> None:
-        """Cancel the pumps and abort what is unfinished; shielded, because it runs while
-        the response's task is being cancelled (client gone)."""
+        """Cancel the pumps and close every engine stream (aborting what is unfinished);
+        shielded, because it runs while the response's task is being cancelled (client
+        gone)."""
         if self._closed:
             return
         self._closed = True
@@ -122,14 +120,14 @@ class MergedStream:
             for task in self._tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            for i, job in enumerate(self._jobs):
-                if i not in self._finished and i not in self._failed:
-                    await self.engine.abort(job.request_id)
-                    job.tracker.on_abort()
+            for i, stream in enumerate(self._streams):
+                if not stream.ended:
+                    self._jobs[i].tracker.on_abort()
+                await stream.aclose()
 
 
 def _output_error(out: RequestOutput) -> APIError:
-    if out.error_code == "queue_timeout":
+    if out.error_code == ErrorCode.QUEUE_TIMEOUT:
         return APIError(503, f"The server is overloaded: {out.error}", type="server_error",
                         code="queue_timeout")
     return APIError(500, f"The engine failed this request: {out.error}",

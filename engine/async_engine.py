@@ -1,32 +1,36 @@
-"""AsyncEngine: the LLMEngine on its own thread, spoken to from asyncio (the EngineClient).
+"""AsyncEngine: the LLMEngine's step loop on a thread of the caller's choosing, spoken to from
+asyncio (the EngineClient).
 
-One engine thread runs "drain inbox -> step()" until shutdown: a thread start() spawns, or
-the caller's own thread in run_step_loop() (the CLI's main thread, HTTP then runs on another). Requests and aborts reach it through
-a thread-safe inbox; each request's deltas come back to the event loop on its own
-asyncio.Queue (delivered with one call_soon_threadsafe per step). A request whose consumer
-goes away (client disconnect closes the async generator) is aborted in `finally`, so its KV
-blocks are freed at the next step.
+One thread runs "drain inbox -> step()" until shutdown: whichever thread calls
+`run_step_loop()` (the CLI's main thread, with HTTP on another; tests start a thread for
+it the same way). Requests and aborts reach it through a thread-safe inbox; admissions and
+each request's deltas come back to the event loop with one call_soon_threadsafe per step.
+Closing a RequestStream early (a client disconnect) aborts its request, so its KV blocks are
+freed at the next step. Tokenizer work for the API runs on a tokenizer thread of its own,
+never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.drain import DrainRate
 from engine.llm_engine import LLMEngine
 from engine.outputs import ErrorCode, RequestOutput
-from engine.protocol import EngineDeadError, EngineLimits, EngineStats, QueueFullError
+from engine.protocol import EngineDeadError, EngineLimits, EngineStats, RequestStream
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 
@@ -34,17 +38,19 @@ logger = logging.getLogger("pagedserve.engine")
 
 STUCK_AFTER_S = 120.0  # a step running longer than this makes /health fail
 MAX_CONSECUTIVE_FAILURES = 3  # then the engine is declared dead
+STOP_WAIT_S = 30.0  # shutdown() waits this long for the current step to end
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt: list[int]
     params: SamplingParams
     priority: int
     arrival_time: float
     deadline: float | None
-    out: asyncio.Queue[RequestOutput | BaseException]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,41 +60,42 @@ class _Abort:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, *,
-                 step_loop_on_caller: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 stuck_after_s: float = STUCK_AFTER_S) -> None:
         self.config = config
         self.engine = engine if engine is not None else LLMEngine(config)
         self.model_name = config.served_model_name or default_model_name(config.model)
+        self._clock = clock  # time.monotonic unless a test drives it
+        self._stuck_after_s = stuck_after_s
         self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
-        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Event-loop thread only: open streams, and submits waiting for their admission.
+        self._streams: dict[str, RequestStream] = {}
+        self._pending: dict[str, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._tokenizer: Tokenizer | None = None  # a copy for the event-loop thread
+        self._tok_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pagedserve-tokenizer")
+        self._tokenizer: Tokenizer | None = None  # the tokenizer thread's own copy
         self._limits: EngineLimits | None = None  # set once loaded
         self._stats = EngineStats()
         self._ready = False
-        self._dead: str | None = None
+        self._dead: str | None = None  # why the engine can serve no more (load, crash, failures)
         self._busy_since: float | None = None
         self._stuck_logged = False
         self._drain = DrainRate()  # engine thread only
-        self._step_loop_on_caller = step_loop_on_caller
+        self._looping = threading.Event()  # run_step_loop() was called
         self._loaded = threading.Event()  # the model is loaded (or failed to)
-        self._stopped = threading.Event()  # the step loop has ended
+        self._stopped = threading.Event()  # the step loop has ended (or never will run)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the model and start the step loop on a thread of its own; with
-        step_loop_on_caller=True, wait instead for run_step_loop() (another thread) to do so."""
+        """Wait until run_step_loop() (on another thread) has loaded the model."""
         self._loop = asyncio.get_running_loop()
-        if self._step_loop_on_caller:
-            await asyncio.to_thread(self._loaded.wait)
-            if self._dead:
-                raise EngineDeadError(self._dead)
-        else:
-            await asyncio.to_thread(self._load)
-            self._thread = threading.Thread(target=self._run, name="pagedserve-engine",
-                                            daemon=True)
-            self._thread.start()
+        await asyncio.to_thread(self._loaded.wait)
+        if self._dead:
+            raise EngineDeadError(self._dead)
+        if self._stopped.is_set():
+            raise EngineDeadError("the engine loop is not running")
         self._ready = True
         logger.info("engine ready: %s", self.model_name)
 
@@ -98,11 +105,11 @@ class AsyncEngine:
         The CLI calls this from the main thread and serves HTTP from another: on this host
         torch ran the same steps 1.4-1.5x faster from the main thread than from a thread
         started later (OpenMP, 2 threads; measured, cause not pinned down)."""
-        assert self._step_loop_on_caller, "construct with step_loop_on_caller=True"
-        self._thread = threading.current_thread()
+        self._looping.set()
         try:
             self._load()
         except Exception:  # noqa: BLE001 - start() reports it; the server stays up to say so
+            self._stopped.set()  # nothing runs: shutdown() must not wait for a step
             return
         finally:
             self._loaded.set()
@@ -127,76 +134,87 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         self._ready = False
-        if self._thread is not None:
+        if self._looping.is_set():
             self.request_stop()
-            await asyncio.to_thread(self._stopped.wait, 30)
+            await asyncio.to_thread(self._stopped.wait, STOP_WAIT_S)
         self._loaded.set()  # a start() still waiting for a load that never came
-        for q in self._queues.values():
-            q.put_nowait(EngineDeadError("server shutting down"))
+        self._fail_all(EngineDeadError("server shutting down"))
+        self._stopped.set()  # also when the loop never ran: no more tokenizer work either
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
     def is_ready(self) -> bool:
-        if not self._ready or self._dead or self._thread is None or not self._thread.is_alive():
+        if not self._ready or self._dead or self._stopped.is_set():
             return False
         busy = self._busy_since
-        stuck = busy is not None and time.monotonic() - busy >= STUCK_AFTER_S
+        stuck = busy is not None and self._clock() - busy >= self._stuck_after_s
         if stuck and not self._stuck_logged:
             self._stuck_logged = True  # once per stuck step: /health is polled often
             logger.error("engine step running for %.0f s (limit %.0f s): /health answers 503 "
-                         "until it returns", time.monotonic() - (busy or 0.0), STUCK_AFTER_S)
+                         "until it returns", self._clock() - (busy or 0.0), self._stuck_after_s)
         return not stuck
 
     # ---- requests (event-loop side) -------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     priority: int = 0, deadline: float | None = None) -> RequestStream:
         self._check_alive()
-        if request_id in self._queues:
+        if request_id in self._streams or request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already in use")
-        out: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._queues[request_id] = out
-        self._inbox.put(_Add(request_id, prompt, params, priority, time.monotonic(), deadline,
-                             out))
-        finished = False
+        assert self._loop is not None  # set by start(), which _check_alive saw finish
+        stream = RequestStream(request_id, self._close_stream)
+        admitted: asyncio.Future[None] = self._loop.create_future()
+        self._streams[request_id] = stream
+        self._pending[request_id] = admitted
+        self._inbox.put(_Add(request_id, prompt, params, priority, self._clock(), deadline))
         try:
-            while not finished:
-                item = await out.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._inbox.put(_Abort(request_id))
+            await admitted
+        except asyncio.CancelledError:  # the client left while waiting: undo the add
+            self._close_stream(request_id)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
 
     async def abort(self, request_id: str) -> None:
+        self._close_stream(request_id)
+
+    def _close_stream(self, request_id: str) -> None:
+        """A stream closed before its end (or a cancelled submit): abort the request."""
+        self._streams.pop(request_id, None)
+        self._pending.pop(request_id, None)
         self._inbox.put(_Abort(request_id))
 
     def _check_alive(self) -> None:
         if self._dead:
             raise EngineDeadError(self._dead)
-        if self._thread is not None and not self._thread.is_alive():
+        if self._stopped.is_set():
             raise EngineDeadError("the engine loop is not running")
         if not self._ready:
             raise EngineDeadError("the engine is not ready (model still loading)")
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens)
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._on_tokenizer(lambda tok: tok.encode(text, add_special_tokens))
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    async def detokenize(self, token_ids: list[int]) -> str:
         self.engine.check_token_ids("tokens", token_ids)
-        return self._tok.decode(token_ids, skip_special_tokens=False)
+        return await self._on_tokenizer(lambda tok: tok.decode(token_ids,
+                                                               skip_special_tokens=False))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        return self._tok.apply_chat_template(messages, add_generation_prompt)
+    async def apply_chat_template(self, messages: list[dict[str, Any]],
+                                  add_generation_prompt: bool = True) -> str:
+        return await self._on_tokenizer(
+            lambda tok: tok.apply_chat_template(messages, add_generation_prompt))
 
-    @property
-    def _tok(self) -> Tokenizer:
-        if self._tokenizer is None:
+    async def _on_tokenizer(self, work: Callable[[Tokenizer], T]) -> T:
+        """Run tokenizer work on the tokenizer thread: HF tokenizers release the GIL while
+        they encode, so a 4 MB prompt (3.5 s here) does not stall other streams."""
+        tok = self._tokenizer
+        if tok is None:
             raise EngineDeadError("the engine is not ready (model still loading)")
-        return self._tokenizer
+        if self._stopped.is_set():
+            raise EngineDeadError("the engine loop is not running")
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, work, tok)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -209,37 +227,40 @@ class AsyncEngine:
     # ---- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        """The engine thread. Whatever ends it, every waiting client is told (never a hang)."""
-        reason: BaseException = EngineDeadError("server shutting down")
+        """The step loop. Whatever ends it, every waiting client is told (never a hang)."""
+        reason = "server shutting down"
         try:
             self._loop_steps()
         except BaseException as e:
             logger.exception("engine loop crashed")
-            self._dead = f"engine loop crashed: {e}"
-            reason = EngineDeadError(self._dead)
+            self._dead = reason = f"engine loop crashed: {e}"
         finally:
+            self._stopped.set()  # before telling clients: a submit after this is refused
             for request_id in list(self.engine.requests):  # free everything
                 self.engine.abort_request(request_id)
-            self._fail_on_loop(None, reason)
-            self._stopped.set()
+            self._on_loop(self._fail_all, EngineDeadError(reason))
 
     def _loop_steps(self) -> None:
         while self._drain_inbox(block=not self.engine.has_unfinished()):
             if not self.engine.has_unfinished():
-                self._stats = self.engine.stats()  # idle, or only aborts arrived: no step
+                self._update_stats()  # idle, or only aborts arrived: no step
                 continue
-            self._busy_since = time.monotonic()
+            self._busy_since = self._clock()
             try:
                 # A failed step does not raise: its requests get final outputs with an error.
                 outputs = self.engine.step()
             finally:
                 self._busy_since = None
                 self._stuck_logged = False
-            self._drain.record(time.monotonic(), sum(o.finished for o in outputs))
-            self._stats = self.engine.stats()
+            self._drain.record(self._clock(), sum(o.finished for o in outputs))
+            self._update_stats()
             self._check_failures(outputs)  # before delivering: a failed client sees it dead
             if outputs:
-                self._deliver(outputs)
+                self._on_loop(self._dispatch, outputs)
+
+    def _update_stats(self) -> None:
+        stats = self.engine.stats()
+        self._stats = dataclasses.replace(stats, finish_rate=self._drain.rate(self._clock()))
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds/aborts; when idle, wait for work. False = shut down."""
@@ -258,24 +279,15 @@ class AsyncEngine:
 
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Abort):
-            final = self.engine.abort_request(cmd.request_id)
-            if final is not None:
-                self._deliver([final])
+            self.engine.abort_request(cmd.request_id)  # its stream is closed: nobody listens
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
                                     cmd.arrival_time, cmd.deadline)
-        except QueueFullError as e:
-            e.retry_after_s = self._drain.retry_after_s(time.monotonic(),
-                                                        self.engine.scheduler.num_waiting)
-            self._send(cmd.out, e)
-            return
-        except Exception as e:  # noqa: BLE001 - PromptTooLongError, QueueFullError, ValueError... -> the caller
-            self._send(cmd.out, e)
-            return
-        # An empty delta says "accepted": the API can start the response (and learn of
-        # admission errors) without waiting for the first token.
-        self._deliver([RequestOutput(cmd.request_id, (), "")])
+        except Exception as e:  # noqa: BLE001 - PromptTooLongError, QueueFullError... -> submit()
+            self._on_loop(self._admit, cmd.request_id, e)
+        else:
+            self._on_loop(self._admit, cmd.request_id, None)
 
     def _check_failures(self, outputs: list[RequestOutput]) -> None:
         """LLMEngine ended a failed step's requests and logged it ("engine step failed (N in a
@@ -287,34 +299,40 @@ class AsyncEngine:
             self._dead = f"engine loop died: {failures} steps failed in a row ({error})"
             logger.error("%s: the engine is dead", self._dead)
 
-    def _fail_on_loop(self, request_ids: list[str] | None, error: BaseException) -> None:
-        """Send `error` to these requests' queues (None: all), on the event loop's thread,
-        which owns the queue table."""
-        def fail() -> None:
-            ids = list(self._queues) if request_ids is None else request_ids
-            for request_id in ids:
-                q = self._queues.get(request_id)
-                if q is not None:
-                    q.put_nowait(error)
-
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run fn(*args) on the event loop's thread, which owns the stream tables."""
         if self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody waits
-                self._loop.call_soon_threadsafe(fail)
+                self._loop.call_soon_threadsafe(fn, *args)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+    # ---- event-loop side of the engine thread's messages ----------------------------------
+
+    def _admit(self, request_id: str, error: BaseException | None) -> None:
+        admitted = self._pending.pop(request_id, None)
+        if admitted is None or admitted.done():  # the submit was cancelled meanwhile
+            return
+        if error is None:
+            admitted.set_result(None)
+        else:
+            admitted.set_exception(error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
-            q = self._queues.get(o.request_id)
-            if q is not None:
-                q.put_nowait(o)
+            stream = self._streams.get(o.request_id)
+            if stream is None:
+                continue  # closed by its consumer; the engine has been told to abort it
+            stream.put(o)
+            if o.finished:
+                del self._streams[o.request_id]
 
-    def _send(self, q: asyncio.Queue[RequestOutput | BaseException], item: BaseException) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(q.put_nowait, item)
-
+    def _fail_all(self, error: BaseException) -> None:
+        for admitted in self._pending.values():
+            if not admitted.done():
+                admitted.set_exception(error)
+        for stream in self._streams.values():
+            stream.put(error)
+        self._pending.clear()
+        self._streams.clear()
 
 
 def default_model_name(model: str | None) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, Logprob, RequestOutput, TokenLogprobs
-from engine.protocol import EngineLimits, EngineStats
+from engine.protocol import EngineLimits, EngineStats, InvalidParamError
 from engine.runner_output import RunnerOutput, TokenLogprobIds
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.output import SchedulerOutput
@@ -81,9 +81,13 @@ class LLMEngine:
         num_blocks = min(self.config.num_kv_blocks or r.num_kv_blocks, r.num_kv_blocks)
         max_len = min(self.config.scheduler.max_model_len, r.max_model_len,
                       num_blocks * r.block_size)
+        # Every token covers at most max_token_bytes of text; the 2x margin leaves room for a
+        # normalizer that drops characters before tokenizing.
+        max_bytes = 2 * self.tokenizer.max_token_bytes() * max_len
         return EngineLimits(max_model_len=max_len, num_kv_blocks=num_blocks,
                             block_size=r.block_size, vocab_size=r.vocab_size,
-                            eos_token_ids=frozenset(r.eos_token_ids))
+                            eos_token_ids=frozenset(r.eos_token_ids),
+                            max_prompt_bytes=max_bytes)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -105,7 +109,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     priority: int = 0, arrival_time: float | None = None,
                     deadline: float | None = None) -> None:
-        """Queue a request. Raises PromptTooLongError / QueueFullError / ValueError.
+        """Queue a request. Raises PromptTooLongError / QueueFullError / InvalidParamError.
 
         `deadline` (time.monotonic()): past it, a request never scheduled fails with
         error_code "queue_timeout"; a started one finishes with what it has and
@@ -114,7 +118,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidParamError("prompt", "prompt must not be empty")
         self.check_token_ids("prompt", ids)
         self.check_token_ids("logit_bias", params.logit_bias)
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
@@ -134,11 +138,11 @@ class LLMEngine:
         heapq.heapify(self._deadlines)
 
     def check_token_ids(self, field: str, ids: Iterable[int]) -> None:
-        """Token ids must exist in the model; the message starts with the field's name."""
+        """Token ids must exist in the model (InvalidParamError naming `field`)."""
         vocab = self.limits.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"{field} token id {bad} is out of range [0, {vocab})")
+            raise InvalidParamError(field, f"{field} token id {bad} is out of range [0, {vocab})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort in any state; returns the final (abort) delta, None if unknown or done."""

@@ -1,16 +1,22 @@
-"""EngineClient: the only engine surface api/ may use (so API tests can use a fake engine).
+"""The engine-API contract: the only engine surface api/ may use (so API tests can use a fake
+engine, and the same contract tests run against both).
+
+A request is admitted explicitly: `await engine.submit(...)` returns its RequestStream or
+raises a typed refusal (PromptTooLongError, QueueFullError, InvalidParamError,
+EngineDeadError); the caller then iterates the stream's deltas and closes it.
 
 Torch-free on purpose: importing this module must not load torch or transformers.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.outputs import RequestOutput
-from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
+from engine.outputs import ErrorCode, RequestOutput
+from scheduler.errors import InvalidParamError, PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.limits import EngineLimits
 from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -20,9 +26,12 @@ __all__ = [
     "EngineDeadError",
     "EngineLimits",
     "EngineStats",
+    "ErrorCode",
+    "InvalidParamError",
     "PromptTooLongError",
     "QueueFullError",
     "RequestOutput",
+    "RequestStream",
     "SamplingParams",
     "SchedulerError",
 ]
@@ -44,6 +53,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_steps: int = 0
+    # Requests finished per second over the last half minute (None: too few to tell); the
+    # API turns it into a 429's Retry-After.
+    finish_rate: float | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -52,33 +64,78 @@ class EngineStats:
         return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks
 
 
+class RequestStream:
+    """The deltas of one admitted request, in order, ending with a finished one.
+
+    Iterating raises what ended the request without a final delta (EngineDeadError on
+    shutdown or an engine crash). `aclose()` before the end aborts the request, which frees
+    its KV blocks: every consumer must close it (`contextlib.aclosing`). Event-loop side
+    only: the engine hands deltas over with `put()` on the loop's thread."""
+
+    def __init__(self, request_id: str, on_abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._on_abort = on_abort
+        self._ended = False  # the final delta or an error was taken, or it was closed
+
+    @property
+    def ended(self) -> bool:
+        """The final delta (or the error that ended it) was taken, or it was closed."""
+        return self._ended
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        self._ended = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._on_abort(self.request_id)
+
+
 class EngineClient(Protocol):
     """What the HTTP layer needs from an engine."""
 
     model_name: str  # the id served in /v1/models (known before the model is loaded)
-    # Resolved once the model is loaded (None before): max_model_len, KV pool, vocabulary, EOS.
-    limits: EngineLimits | None
+
+    @property
+    def limits(self) -> EngineLimits | None:
+        """Resolved once the model is loaded (None before): max_model_len, KV pool,
+        vocabulary, EOS."""
+        ...
 
     async def start(self) -> None:
-        """Load the model and start the step loop. The app's lifespan runs this as a
-        background task, so the server answers /health with 503 while loading."""
+        """Wait until the model is loaded and the step loop runs. The app's lifespan runs
+        this as a background task, so the server answers /health with 503 while loading."""
         ...
 
     async def shutdown(self) -> None:
-        """Stop the loop; every unfinished request ends with finish_reason "abort"."""
+        """Stop the loop; every unfinished request's stream raises EngineDeadError."""
         ...
 
-    def generate(
+    async def submit(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: list[int],
         params: SamplingParams,
         priority: int = 0,
         deadline: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream deltas for one request. Raises PromptTooLongError / QueueFullError /
-        EngineDeadError before the first delta; closing the iterator early aborts it.
-        `deadline` (time.monotonic()): see LLMEngine.add_request."""
+    ) -> RequestStream:
+        """Admit one request, or raise PromptTooLongError / QueueFullError /
+        InvalidParamError / EngineDeadError. `deadline` (time.monotonic()): see
+        LLMEngine.add_request."""
         ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -87,11 +144,15 @@ class EngineClient(Protocol):
         """Loaded and the step loop alive and not stuck."""
         ...
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    # Tokenizer work runs off the event loop (a multi-megabyte text takes seconds), so these
+    # are coroutines.
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def detokenize(self, token_ids: list[int]) -> str: ...
+    async def detokenize(self, token_ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str: ...
+    async def apply_chat_template(self, messages: list[dict[str, Any]],
+                                  add_generation_prompt: bool = True) -> str:
+        """Render messages already validated by the API (content is a string)."""
+        ...
 
     def stats(self) -> EngineStats: ...

@@ -42,6 +42,13 @@ class Tokenizer:
         self._decoder_kind = _decoder_kind(hf_tokenizer)
         self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary token
 
+    def max_token_bytes(self) -> int:
+        """An upper bound on the UTF-8 bytes of text one token covers: the longest token's
+        spelling (a byte-level BPE spells each byte as one 1-2 byte character, SentencePiece
+        a space as the 3-byte "▁", so the spelling is never shorter than its text)."""
+        tokens = self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))
+        return max((len(t.encode("utf-8", "surrogatepass")) for t in tokens if t), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
@@ -91,45 +98,18 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
-        """Render chat messages to the prompt text the model was trained on."""
+        """Render chat messages to the prompt text the model was trained on. The messages
+        are already validated (the API's parse_messages): content is a string."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; "
                              "use the completions endpoint with a plain prompt")
-        checked = [_check_message(i, m) for i, m in enumerate(_check_list(messages))]
         try:
             text = self.hf.apply_chat_template(
-                checked, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja2 errors, including the template's raise_exception()
             raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
         assert isinstance(text, str), type(text)
         return text
-
-
-def _check_list(messages: Any) -> list[Any]:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
-    return messages
-
-
-def _check_message(i: int, message: Any) -> dict[str, Any]:
-    """Validate one message; flatten OpenAI text content parts into one string.
-
-    Every problem is a ValueError (even a wrong type): the API answers all of them with 400.
-    """
-    if not isinstance(message, dict):
-        raise ValueError(f"messages[{i}] must be an object")  # noqa: TRY004
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or not role:
-        raise ValueError(f"messages[{i}].role must be a non-empty string")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text"
-                   and isinstance(p.get("text"), str) for p in content):
-            raise ValueError(f"messages[{i}].content parts must all be text parts")
-        content = "\n".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ValueError(  # noqa: TRY004
-            f"messages[{i}].content must be a string or a list of text parts")
-    return {**message, "content": content}
 
 
 def _decoder_kind(hf_tokenizer: Any) -> str:

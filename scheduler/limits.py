@@ -16,6 +16,9 @@ class EngineLimits:
     block_size: int  # tokens per KV block
     vocab_size: int  # valid token ids are [0, vocab_size)
     eos_token_ids: frozenset[int]  # tokens that end a sequence unless ignore_eos
+    # A prompt text longer than this (UTF-8 bytes) cannot tokenize into max_prompt_len tokens,
+    # so it is refused before the (costly: ~1 s/MB) tokenization; None: no such bound known.
+    max_prompt_bytes: int | None = None
 
     @property
     def max_prompt_len(self) -> int:

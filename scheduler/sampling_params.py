@@ -1,7 +1,7 @@
 """SamplingParams: how one request wants its tokens chosen and when it wants to stop.
 
 Validated on construction so that a bad value never reaches the engine thread; every
-error is a ValueError whose message starts with the offending field's name, which the
+error is an InvalidParamError (a ValueError) that names the offending field, which the
 API turns into a 400 naming the parameter.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from scheduler.errors import InvalidParamError
 
 # OpenAI allows at most 20 top logprobs per token; vLLM keeps the same cap by default.
 MAX_LOGPROBS = 20
@@ -81,4 +83,4 @@ def _in(x: float, lo: float, hi: float) -> bool:
 
 def _check(ok: bool, name: str, why: str) -> None:
     if not ok:
-        raise ValueError(f"{name} {why}")
+        raise InvalidParamError(name, f"{name} {why}")

@@ -2,8 +2,9 @@
 
 Tokens are characters (id = code point + 2; 0 = EOS, 1 = BOS). A request "generates" its
 prompt's text tokens again, cycled, honouring max_tokens, stop strings, stop token ids,
-logprobs and prompt logprobs. Delays, admission errors and mid-stream failures are knobs;
-aborts and early closes are recorded.
+logprobs and prompt logprobs. It speaks the same contract as AsyncEngine (the same
+RequestStream, the same admission refusals: tests/engine/test_engine_contract.py runs on
+both). Delays, admission errors and mid-stream failures are knobs; aborts are recorded.
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import Logprob, RequestOutput, TokenLogprobs
-from engine.protocol import EngineDeadError, EngineLimits, EngineStats
+from engine.outputs import ErrorCode, Logprob, RequestOutput, TokenLogprobs
+from engine.protocol import (
+    EngineDeadError,
+    EngineLimits,
+    EngineStats,
+    PromptTooLongError,
+    RequestStream,
+)
 from scheduler.sampling_params import SamplingParams
 
 EOS, BOS, OFFSET = 0, 1, 2
@@ -45,15 +52,18 @@ class FakeEngine:
         self.token_delay = token_delay
         self.load_delay = load_delay
         self.start_error = start_error
-        self.admission_error = admission_error  # raised before the first delta
+        self.admission_error = admission_error  # raised by submit()
         self.fail_after = fail_after  # deltas before the mid-stream failure
         self.mid_error = mid_error  # None with fail_after: an output with .error set
         self.submitted: list[Submitted] = []
-        self.aborted: list[str] = []
-        self.closed_early: list[str] = []
+        self.aborted: list[str] = []  # streams closed before their final delta
+        self.finished: list[str] = []  # requests that sent their final delta
         self.active: set[str] = set()
+        self._runs: dict[str, asyncio.Task[None]] = {}
         self.dead = False
         self.started = False
+        self.finish_rate: float | None = None  # EngineStats: drain rate and queue, for 429s
+        self.num_waiting = 0
         self.shut_down = False
 
     @property
@@ -62,7 +72,8 @@ class FakeEngine:
         if not self.started:
             return None
         return EngineLimits(max_model_len=self.max_model_len, num_kv_blocks=self.max_model_len,
-                            block_size=1, vocab_size=MAX_ID, eos_token_ids=frozenset({EOS}))
+                            block_size=1, vocab_size=MAX_ID, eos_token_ids=frozenset({EOS}),
+                            max_prompt_bytes=4 * self.max_model_len)  # a token: 1 character
 
     async def start(self) -> None:
         await asyncio.sleep(self.load_delay)
@@ -73,54 +84,80 @@ class FakeEngine:
     async def shutdown(self) -> None:
         self.shut_down = True
         self.started = False
+        for task in list(self._runs.values()):
+            task.cancel()
 
     def is_ready(self) -> bool:
         return self.started and not self.dead
 
     async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
+        self._close(request_id)
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _close(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        task = self._runs.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.encode(text, add_special_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         text.encode("utf-8")  # a lone surrogate raises, as in a real byte-level tokenizer
         return ([BOS] if add_special_tokens else []) + [tok(c) for c in text]
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    async def detokenize(self, token_ids: list[int]) -> str:
         if any(t >= MAX_ID for t in token_ids):
             raise ValueError("token id out of range")
         return "".join(chr(t - OFFSET) for t in token_ids if t >= OFFSET)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+    async def apply_chat_template(self, messages: list[dict[str, Any]],
+                                  add_generation_prompt: bool = True) -> str:
         if messages[-1]["content"] == "RAISE":
             raise ValueError("Conversation roles must alternate")  # like a jinja template
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self.active), num_waiting=0, num_kv_blocks=100,
-                           num_free_kv_blocks=75, num_preemptions=3, prefix_cache_queries=10,
-                           prefix_cache_hits=4, num_steps=7)
+        return EngineStats(num_running=len(self.active), num_waiting=self.num_waiting,
+                           num_kv_blocks=100, num_free_kv_blocks=75, num_preemptions=3,
+                           prefix_cache_queries=10, prefix_cache_hits=4, num_steps=7,
+                           finish_rate=self.finish_rate)
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0,
-                       deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     priority: int = 0, deadline: float | None = None) -> RequestStream:
         if self.dead or not self.started:
             raise EngineDeadError("engine is dead")
         if self.admission_error is not None:
             raise self.admission_error
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if len(prompt) >= self.max_model_len:
+            raise PromptTooLongError(f"prompt has {len(prompt)} tokens; max_model_len is "
+                                     f"{self.max_model_len}")
+        if request_id in self._runs:
+            raise ValueError(f"request id {request_id!r} is already in use")
         self.submitted.append(Submitted(request_id, prompt, params, priority, deadline))
-        self.active.add(request_id)
-        run = _Run(self, request_id, ids, params, deadline)
-        finished = False
+        stream = RequestStream(request_id, self._close)
+        run = _Run(self, request_id, list(prompt), params, deadline)
+        self._runs[request_id] = asyncio.create_task(self._feed(run, stream))
+        return stream
+
+    async def _feed(self, run: _Run, stream: RequestStream) -> None:
+        """Generate into the stream, as the engine thread would."""
+        self.active.add(run.rid)
         try:
             async for out in run.outputs():
-                finished = out.finished
-                yield out
+                stream.put(out)
+                if out.finished:
+                    self.finished.append(run.rid)
+        except asyncio.CancelledError:
+            if self.shut_down:
+                stream.put(EngineDeadError("server shutting down"))
+            raise
+        except Exception as e:  # noqa: BLE001 - a mid-stream failure, as the stream raises it
+            stream.put(e)
         finally:
-            self.active.discard(request_id)
-            if not finished:
-                self.closed_early.append(request_id)
+            self.active.discard(run.rid)
+            self._runs.pop(run.rid, None)
 
 
 class _Run:
@@ -134,9 +171,7 @@ class _Run:
         self.text = ""
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        # As the real engine: an empty "accepted" delta without the prompt, then (here) an
-        # empty delta with the prompt, like a prefill chunk. The API must emit neither.
-        yield RequestOutput(self.rid, (), "")
+        # An empty delta with the prompt, like a prefill chunk: the API must not emit it.
         yield RequestOutput(self.rid, (), "", prompt_token_ids=tuple(self.ids),
                             prompt_logprobs=self._prompt_logprobs(),
                             num_prompt_tokens=len(self.ids))
@@ -151,7 +186,8 @@ class _Run:
             if self.e.fail_after is not None and k >= self.e.fail_after:
                 if self.e.mid_error is not None:
                     raise self.e.mid_error
-                yield RequestOutput(self.rid, (), "", finish_reason="abort", error="boom")
+                yield RequestOutput(self.rid, (), "", finish_reason="abort", error="boom",
+                                    error_code=ErrorCode.STEP_FAILED)
                 return
             out = self._step(self.reply[k % len(self.reply)], k + 1)
             yield out
@@ -161,7 +197,8 @@ class _Run:
     def _timed_out(self, produced: int) -> RequestOutput:
         if produced == 0:
             return RequestOutput(self.rid, (), "", finish_reason="abort",
-                                 error="timed out in the queue", error_code="queue_timeout")
+                                 error="timed out in the queue",
+                                 error_code=ErrorCode.QUEUE_TIMEOUT)
         return self._out((), "", "timeout", None, produced)
 
     def _step(self, t: int, produced: int) -> RequestOutput:

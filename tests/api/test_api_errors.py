@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 from apitools import serve, sse_events
+
+from api.errors import UNKNOWN_RETRY_S
 from fake_engine import FakeEngine
 from starlette.testclient import TestClient
 
@@ -166,16 +168,13 @@ def test_api_key() -> None:
         assert client.get("/metrics").status_code == 200
 
 
-def _queue_full(limit: str, retry_after_s: float | None) -> QueueFullError:
-    e = QueueFullError("waiting queue is full", limit=limit)
-    e.retry_after_s = retry_after_s
-    return e
+def _queue_full(limit: str) -> QueueFullError:
+    return QueueFullError("waiting queue is full", limit=limit)
 
 
 @pytest.mark.parametrize(("error", "status", "code", "reason"), [
-    (_queue_full("max_num_queued_reqs", None), 429, "rate_limit_exceeded",
-     "max_num_queued_reqs"),
-    (_queue_full("max_num_queued_tokens", 7.2), 429, "rate_limit_exceeded",
+    (_queue_full("max_num_queued_reqs"), 429, "rate_limit_exceeded", "max_num_queued_reqs"),
+    (_queue_full("max_num_queued_tokens"), 429, "rate_limit_exceeded",
      "max_num_queued_tokens"),
     (PromptTooLongError("needs 900 blocks"), 400, "context_length_exceeded", "prompt_too_long"),
     (EngineDeadError("gone"), 503, "engine_dead", "engine_dead"),
@@ -187,10 +186,15 @@ def test_admission_errors(error: Exception, status: int, code: str, reason: str,
     with serve(engine) as client:
         r = client.post("/v1/completions", json={"prompt": "a", "stream": stream, "n": 2})
         assert_error(r, status, code=code)
-        if status == 429:  # the engine's drain estimate, rounded up; 1 s without one
-            retry = getattr(error, "retry_after_s", None)
-            assert r.headers["retry-after"] == ("8" if retry else "1")
-        assert f'admission_rejections_total{{reason="{reason}"}} 1.0' in \
+        if status == 429:  # from the engine's stats: 3 waiting at 0.4 finished/s -> 7.5 s
+            assert r.headers["retry-after"] == str(UNKNOWN_RETRY_S)  # no rate known yet
+            engine.finish_rate, engine.num_waiting = 0.4, 3
+            r = client.post("/v1/completions", json={"prompt": "a", "stream": stream})
+            assert_error(r, status, code=code)
+            assert r.headers["retry-after"] == "8"
+            engine.finish_rate = None
+        count = 2.0 if status == 429 else 1.0
+        assert f'admission_rejections_total{{reason="{reason}"}} {count}' in \
             client.get("/metrics").text
         r = client.post("/v1/chat/completions", json={"messages": MSG, "stream": stream})
         assert_error(r, status, code=code)

@@ -19,7 +19,7 @@ def test_chat_shape_and_template(engine: FakeEngine, client: TestClient) -> None
                                 "logprobs": None, "finish_reason": "length",
                                 "stop_reason": None}]
     prompt = engine.submitted[0].prompt
-    assert prompt == engine.tokenize("<system>s\n<user>hi\n<assistant>", False)  # no extra BOS
+    assert prompt == engine.encode("<system>s\n<user>hi\n<assistant>", False)  # no extra BOS
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3,
                              "total_tokens": len(prompt) + 3}
 
@@ -38,7 +38,7 @@ def test_text_parts_are_joined(engine: FakeEngine, client: TestClient) -> None:
     r = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": parts}], "max_tokens": 1})
     assert r.status_code == 200
-    assert engine.submitted[0].prompt == engine.tokenize("<user>a\nb\n<assistant>", False)
+    assert engine.submitted[0].prompt == engine.encode("<user>a\nb\n<assistant>", False)
 
 
 def test_chat_logprobs(client: TestClient) -> None:

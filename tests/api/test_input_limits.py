@@ -255,8 +255,8 @@ def test_completion_shapes(client: TestClient, body: dict[str, Any], param: str 
 
 def test_empty_prompt_after_tokenization_is_400() -> None:
     class NoBos(FakeEngine):
-        def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            return super().tokenize(text, add_special_tokens=False)
+        async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return self.encode(text, add_special_tokens=False)
 
     with serve(NoBos()) as client:
         error_of(client.post("/v1/completions", json={"prompt": ""}), 400, "prompt")

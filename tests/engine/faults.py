@@ -22,11 +22,13 @@ class InjectedFault(RuntimeError):
 class FaultyRunner:
     """Delegates to `runner`. `fail` next steps raise InjectedFault; every step first
     sleeps `delay` s (a slow model, so requests stay in flight long enough to act on);
-    `stall()` blocks steps until `unstall()` (a hung step)."""
+    `stall()` blocks steps until `unstall()` (a hung step); `entered` is set once a step
+    has begun (so a test knows one is in flight)."""
 
     def __init__(self, runner: ModelRunner, fail: int = 0, delay: float = 0.0) -> None:
         self.runner, self.fail, self.delay = runner, fail, delay
         self.steps = 0
+        self.entered = threading.Event()
         self._go = threading.Event()
         self._go.set()
 
@@ -41,6 +43,7 @@ class FaultyRunner:
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         self.steps += 1
+        self.entered.set()
         time.sleep(self.delay)
         self._go.wait(timeout=60)
         if self.fail > 0:

@@ -24,7 +24,10 @@ import uvicorn
 from faults import FaultyRunner
 
 from api.app import create_app
-from engine.async_engine import AsyncEngine
+from api.cli import run_serving
+from api.server import GracefulServer
+from api.state import AppState
+from engine.async_engine import STUCK_AFTER_S, AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
@@ -50,13 +53,29 @@ class SlowRunner(FaultyRunner):
 
 @dataclass
 class Live:
-    """A running server: its base URL, host/port for raw sockets, and its engine."""
+    """A running server: its base URL, host/port for raw sockets, its engine, the fault
+    runner between the engine and the model, the HTTP server and the serving thread."""
 
     url: str
     host: str
     port: int
     engine: AsyncEngine
-    server: uvicorn.Server
+    runner: FaultyRunner
+    http: GracefulServer
+    thread: threading.Thread
+
+    def blocks_all_free(self, timeout: float = 5.0) -> None:
+        """Wait until the engine holds no request and every KV block is free (invariants
+        checked)."""
+        deadline = time.monotonic() + timeout
+        eng = self.engine.engine
+        while time.monotonic() < deadline:
+            bm = eng.scheduler.block_manager
+            if not eng.requests and bm.num_free_blocks == bm.num_blocks:
+                bm.check_invariants()
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"engine not idle: {list(eng.requests)}, {self.engine.stats()}")
 
     def slow_down(self, delay: float) -> SlowRunner:
         slow = SlowRunner(self.engine.engine.runner, delay)
@@ -94,29 +113,36 @@ class Live:
 
 
 @contextmanager
-def live_server(runner: ModelRunner, *, api_key: str | None = None,
+def live_server(runner: ModelRunner, *, api_key: str | None = None, delay: float = 0.0,
+                shutdown_timeout: float = 10.0, stuck_after_s: float = STUCK_AFTER_S,
                 **scheduler: Any) -> Iterator[Live]:
-    """Serve `runner` (shared, already loaded) on 127.0.0.1 with an ephemeral port."""
+    """Serve `runner` (shared, already loaded) on 127.0.0.1 with an ephemeral port, the way
+    the CLI does (api.cli.run_serving), from a thread of the test's. Steps go through a
+    FaultyRunner that sleeps `delay` s each."""
     opts: dict[str, Any] = {"block_size": runner.block_size, "max_model_len": 128,
                             "max_num_seqs": 4, "max_num_batched_tokens": 32}
     opts.update(scheduler)
     cfg = EngineConfig(model=None, dtype="float32", device="cpu",
                        scheduler=SchedulerConfig(**opts), served_model_name="tiny")
-    engine = AsyncEngine(cfg, LLMEngine(cfg, runner=runner))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key=api_key),
-                                           host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    faulty = FaultyRunner(runner, delay=delay)
+    engine = AsyncEngine(cfg, LLMEngine(cfg, runner=faulty),  # type: ignore[arg-type]
+                         stuck_after_s=stuck_after_s)
+    app = create_app(engine, api_key=api_key)
+    http = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"),
+                          AppState.of_app(app).lifecycle, shutdown_timeout)
+    thread = threading.Thread(target=run_serving, args=(engine, http), daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 30
-        while not (server.started and engine.is_ready()) and time.monotonic() < deadline:
+        while not (http.started and engine.is_ready()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert engine.is_ready(), "the live server did not start"
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield Live(f"http://127.0.0.1:{port}", "127.0.0.1", port, engine, server)
+        port = http.servers[0].sockets[0].getsockname()[1]
+        yield Live(f"http://127.0.0.1:{port}", "127.0.0.1", port, engine, faulty, http, thread)
     finally:
-        server.should_exit = True
-        thread.join(15)
+        faulty.unstall()
+        http.should_exit = True
+        thread.join(20)
         assert not thread.is_alive(), "the live server did not stop"
 
 

@@ -4,9 +4,12 @@ failed steps, a dead or stuck loop, seeded sampling inside a busy batch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 from faults import FaultyRunner
@@ -14,25 +17,39 @@ from faults import FaultyRunner
 import engine.async_engine as async_engine_mod
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.drain import UNKNOWN_RETRY_S
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, RequestOutput
-from engine.protocol import EngineDeadError, PromptTooLongError, QueueFullError
+from engine.protocol import EngineDeadError, PromptTooLongError, QueueFullError, RequestStream
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def make(runner: ModelRunner, **sched: object) -> AsyncEngine:
-    sc = SchedulerConfig(block_size=runner.block_size, max_model_len=128, **sched)  # type: ignore[arg-type]
+def make(runner: ModelRunner, *, loop: bool = True, **kwargs: Any) -> AsyncEngine:
+    """An AsyncEngine over `runner` (the stuck-step knobs pass through) whose step loop runs
+    on a thread of its own (loop=False: not yet, see start_step_loop)."""
+    knobs = {k: kwargs.pop(k) for k in ("clock", "stuck_after_s") if k in kwargs}
+    sc = SchedulerConfig(block_size=runner.block_size, max_model_len=128, **kwargs)
     cfg = EngineConfig(model=None, dtype="float32", device="cpu", scheduler=sc)
-    return AsyncEngine(cfg, LLMEngine(cfg, runner=runner))
+    eng = AsyncEngine(cfg, LLMEngine(cfg, runner=runner), **knobs)
+    if loop:
+        start_step_loop(eng)
+    return eng
 
 
-async def collect(stream: AsyncIterator[RequestOutput]) -> list[RequestOutput]:
-    return [o async for o in stream]
+def start_step_loop(eng: AsyncEngine) -> threading.Thread:
+    """What the CLI does on its main thread, on a thread of the test's."""
+    thread = threading.Thread(target=eng.run_step_loop, name="pagedserve-engine", daemon=True)
+    thread.start()
+    return thread
+
+
+async def collect(submitted: Awaitable[RequestStream]) -> list[RequestOutput]:
+    stream = await submitted
+    async with contextlib.aclosing(stream):
+        return [o async for o in stream]
 
 
 def tokens(outs: list[RequestOutput]) -> list[int]:
@@ -62,7 +79,7 @@ def test_concurrent_requests_match_offline(llama_runner: ModelRunner) -> None:
         eng = make(llama_runner)
         await eng.start()
         try:
-            outs = await asyncio.gather(*(collect(eng.generate(f"r{i}", p, GREEDY))
+            outs = await asyncio.gather(*(collect(eng.submit(f"r{i}", p, GREEDY))
                                           for i, p in enumerate(prompts)))
             await wait_idle(eng)
         finally:
@@ -88,7 +105,7 @@ def test_closing_the_stream_aborts_and_frees_blocks(llama_runner: ModelRunner) -
         await eng.start()
         try:
             long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-            stream = eng.generate("gone", [3, 4, 5, 6, 7], long)
+            stream = await eng.submit("gone", [3, 4, 5, 6, 7], long)
             got = 0
             async for o in stream:
                 got += len(o.new_token_ids)
@@ -103,30 +120,30 @@ def test_closing_the_stream_aborts_and_frees_blocks(llama_runner: ModelRunner) -
     run_async(main())
 
 
-def test_admission_errors_raise_before_first_delta(llama_runner: ModelRunner) -> None:
+def test_admission_errors_raise_from_submit(llama_runner: ModelRunner) -> None:
     async def main() -> None:
         eng = make(llama_runner, max_num_queued_reqs=1, max_num_seqs=1)
         await eng.start()
         try:
             with pytest.raises(PromptTooLongError):
-                await collect(eng.generate("long", [3] * 500, GREEDY))
+                await collect(eng.submit("long", [3] * 500, GREEDY))
             slow = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
             running = asyncio.Event()
 
             async def first_request() -> None:
-                async for o in eng.generate("a", [3, 4], slow):
+                async for o in await eng.submit("a", [3, 4], slow):
                     if o.new_token_ids:
                         running.set()
 
             first = asyncio.create_task(first_request())
             await running.wait()  # "a" holds the only seq slot: "b" must wait in the queue
-            second = asyncio.create_task(collect(eng.generate("b", [3, 4], slow)))
+            second = asyncio.create_task(collect(eng.submit("b", [3, 4], slow)))
             while eng.stats().num_waiting < 1:
                 await asyncio.sleep(0.005)
-            with pytest.raises(QueueFullError) as info:
-                await collect(eng.generate("c", [3, 4], slow))
-            # Nothing has finished yet: no drain rate, so the fallback estimate.
-            assert info.value.retry_after_s == UNKNOWN_RETRY_S
+            with pytest.raises(QueueFullError):
+                await eng.submit("c", [3, 4], slow)
+            # Nothing has finished yet: no drain rate for the API's Retry-After.
+            assert eng.stats().finish_rate is None
             await asyncio.gather(first, second)
             await wait_idle(eng)
         finally:
@@ -144,9 +161,9 @@ def test_seeded_request_same_alone_and_in_busy_batch(llama_runner: ModelRunner) 
         eng = make(llama_runner, max_num_batched_tokens=16)
         await eng.start()
         try:
-            alone = tokens(await collect(eng.generate("alone", [8, 9, 10, 11], seeded)))
-            others = [collect(eng.generate(f"n{i}", [20 + i] * (3 + i), noise)) for i in range(5)]
-            busy = await asyncio.gather(*others[:2], collect(eng.generate("busy", [8, 9, 10, 11],
+            alone = tokens(await collect(eng.submit("alone", [8, 9, 10, 11], seeded)))
+            others = [collect(eng.submit(f"n{i}", [20 + i] * (3 + i), noise)) for i in range(5)]
+            busy = await asyncio.gather(*others[:2], collect(eng.submit("busy", [8, 9, 10, 11],
                                                                           seeded)), *others[2:])
             await wait_idle(eng)
             return alone, tokens(busy[2])
@@ -164,11 +181,11 @@ def test_failed_step_fails_its_requests_and_server_recovers(llama_runner: ModelR
         await eng.start()
         try:
             # The failed request ends with an error output (it used to raise RuntimeError).
-            final = (await collect(eng.generate("x", [3, 4, 5], GREEDY)))[-1]
+            final = (await collect(eng.submit("x", [3, 4, 5], GREEDY)))[-1]
             assert final.finished and final.error_code == ErrorCode.STEP_FAILED
             assert "engine step failed: injected fault" in (final.error or "")
             assert eng.is_ready()
-            assert len(tokens(await collect(eng.generate("y", [3, 4, 5], GREEDY)))) == 8
+            assert len(tokens(await collect(eng.submit("y", [3, 4, 5], GREEDY)))) == 8
             await wait_idle(eng)
         finally:
             await eng.shutdown()
@@ -183,33 +200,48 @@ def test_repeated_failures_mark_engine_dead(llama_runner: ModelRunner) -> None:
         await eng.start()
         try:
             for i in range(async_engine_mod.MAX_CONSECUTIVE_FAILURES):
-                final = (await collect(eng.generate(f"x{i}", [3, 4, 5], GREEDY)))[-1]
+                final = (await collect(eng.submit(f"x{i}", [3, 4, 5], GREEDY)))[-1]
                 assert final.error_code == ErrorCode.STEP_FAILED
             assert not eng.is_ready()
             with pytest.raises(EngineDeadError):
-                await collect(eng.generate("z", [3, 4, 5], GREEDY))
+                await collect(eng.submit("z", [3, 4, 5], GREEDY))
         finally:
             await eng.shutdown()
 
     run_async(main())
 
 
-def test_stuck_step_fails_health(llama_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(async_engine_mod, "STUCK_AFTER_S", 0.2)
+class FakeClock:
+    """time.monotonic for the engine's stuck-step check, moved only by the test."""
 
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_stuck_step_fails_health(llama_runner: ModelRunner) -> None:
     async def main() -> None:
-        eng = make(llama_runner)
-        eng.engine.runner = FaultyRunner(llama_runner, delay=0.6)  # type: ignore[assignment]
+        clock = FakeClock()
+        faulty = FaultyRunner(llama_runner)
+        eng = make(faulty, clock=clock, stuck_after_s=5.0)  # type: ignore[arg-type]
         await eng.start()
         try:
             assert eng.is_ready()
-            task = asyncio.create_task(collect(eng.generate("s", [3, 4], dataclasses.replace(
+            faulty.stall()  # the next step hangs until unstall()
+            task = asyncio.create_task(collect(eng.submit("s", [3, 4], dataclasses.replace(
                 GREEDY, max_tokens=1))))
-            await asyncio.sleep(0.4)
-            assert not eng.is_ready()  # one step has run for longer than STUCK_AFTER_S
+            assert await asyncio.to_thread(faulty.entered.wait, 30)  # the step is in flight
+            clock.now += 4.9
+            assert eng.is_ready()  # not yet past the threshold
+            clock.now += 0.1
+            assert not eng.is_ready()  # one step has run for stuck_after_s
+            faulty.unstall()
             await task
             assert eng.is_ready()
         finally:
+            faulty.unstall()
             await eng.shutdown()
 
     run_async(main())
@@ -225,10 +257,10 @@ def test_crash_outside_step_kills_engine_but_never_hangs_clients(llama_runner: M
 
             eng.engine.stats = boom  # type: ignore[method-assign]  # a bug outside step()
             with pytest.raises(EngineDeadError):
-                await collect(eng.generate("x", [3, 4, 5], GREEDY))
+                await collect(eng.submit("x", [3, 4, 5], GREEDY))
             assert not eng.is_ready()
             with pytest.raises(EngineDeadError):
-                await collect(eng.generate("y", [3, 4, 5], GREEDY))
+                await collect(eng.submit("y", [3, 4, 5], GREEDY))
         finally:
             await eng.shutdown()
 
@@ -241,11 +273,11 @@ def test_duplicate_request_id_is_refused(llama_runner: ModelRunner) -> None:
         await eng.start()
         try:
             slow = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-            first = eng.generate("same", [3, 4], slow)
-            await first.__anext__()
+            first = await eng.submit("same", [3, 4], slow)
+            head = await first.__anext__()
             with pytest.raises(ValueError, match="already in use"):
-                await collect(eng.generate("same", [3, 4], slow))
-            assert len(tokens(await collect(first))) == 30  # the first one is untouched
+                await collect(eng.submit("same", [3, 4], slow))
+            assert len(tokens([head] + [o async for o in first])) == 30  # the first: untouched
             await wait_idle(eng)
         finally:
             await eng.shutdown()
@@ -255,13 +287,90 @@ def test_duplicate_request_id_is_refused(llama_runner: ModelRunner) -> None:
 
 def test_limits_are_none_until_loaded_then_the_engines(llama_runner: ModelRunner) -> None:
     async def main() -> None:
-        eng = make(llama_runner)
+        eng = make(llama_runner, loop=False)
         assert eng.limits is None
+        start_step_loop(eng)
         await eng.start()
         try:
             assert eng.limits is eng.engine.limits
             assert eng.limits.max_model_len == 128 and eng.limits.block_size == 4
         finally:
             await eng.shutdown()
+
+    run_async(main())
+
+
+class _FailingLoad(LLMEngine):
+    def load(self) -> None:
+        raise RuntimeError("weights are corrupt")
+
+
+def test_failed_load_reports_dead_and_shutdown_does_not_wait(llama_runner: ModelRunner) -> None:
+    """A model that fails to load ends the step loop at once: shutdown() must not wait its
+    STOP_WAIT_S (30 s, past Kubernetes' grace period) for a loop that never ran."""
+    async def main() -> None:
+        cfg = make(llama_runner, loop=False).config
+        eng = AsyncEngine(cfg, _FailingLoad(cfg, runner=llama_runner))
+        start_step_loop(eng)
+        with pytest.raises(EngineDeadError, match="weights are corrupt"):
+            await eng.start()
+        assert not eng.is_ready()
+        # Bounded well under STOP_WAIT_S, and the loop has nothing to wait for: it is done.
+        await asyncio.wait_for(eng.shutdown(), async_engine_mod.STOP_WAIT_S / 3)
+
+    run_async(main())
+
+
+def test_submit_cancelled_while_waiting_for_admission_frees_the_request(
+        llama_runner: ModelRunner) -> None:
+    async def main() -> None:
+        faulty = FaultyRunner(llama_runner)
+        eng = make(faulty)  # type: ignore[arg-type]
+        await eng.start()
+        try:
+            faulty.stall()  # a step hangs: the inbox is not read, so admission waits
+            busy = asyncio.create_task(collect(eng.submit("busy", [3, 4], GREEDY)))
+            assert await asyncio.to_thread(faulty.entered.wait, 30)
+            waiting = asyncio.create_task(eng.submit("late", [5, 6], GREEDY))
+            await asyncio.sleep(0)  # it is now awaiting admission
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            faulty.unstall()
+            assert len(tokens(await busy)) == 8
+            await wait_idle(eng)  # "late" was added, then aborted: nothing left behind
+            assert "late" not in eng.engine.requests
+        finally:
+            faulty.unstall()
+            await eng.shutdown()
+
+    run_async(main())
+
+
+def test_tokenizer_work_runs_off_the_event_loop(llama_runner: ModelRunner) -> None:
+    async def main() -> None:
+        eng = make(llama_runner)
+        await eng.start()
+        try:
+            loop_thread = threading.get_ident()
+            seen: list[int] = []
+            tok = eng._tokenizer
+            assert tok is not None
+            encode = tok.encode
+
+            def spy(text: str, add_special_tokens: bool = True) -> list[int]:
+                seen.append(threading.get_ident())
+                return encode(text, add_special_tokens)
+
+            tok.encode = spy  # type: ignore[method-assign]
+            ids = await eng.tokenize("hello world")
+            assert ids == eng.engine.tokenizer.encode("hello world")
+            assert seen and loop_thread not in seen
+            assert await eng.detokenize(ids) == eng.engine.tokenizer.decode(
+                ids, skip_special_tokens=False)
+        finally:
+            await eng.shutdown()
+        with pytest.raises(EngineDeadError):
+            await eng.tokenize("after shutdown")
 
     run_async(main())

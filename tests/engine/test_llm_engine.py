@@ -223,7 +223,8 @@ def test_limits_are_resolved_once_from_config_model_and_pool(llama_runner: Model
     engine = make(llama_runner, max_model_len=200)
     assert engine.limits == EngineLimits(
         max_model_len=200, num_kv_blocks=128, block_size=4, vocab_size=llama_runner.vocab_size,
-        eos_token_ids=frozenset(llama_runner.eos_token_ids))
+        eos_token_ids=frozenset(llama_runner.eos_token_ids),
+        max_prompt_bytes=2 * engine.tokenizer.max_token_bytes() * 200)
     assert make(llama_runner, max_model_len=4096).limits.max_model_len == 256  # the model's
     small = make(llama_runner, num_kv_blocks=10)  # the pool holds 40 tokens
     assert (small.limits.max_model_len, small.limits.num_kv_blocks) == (40, 10)

@@ -12,78 +12,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from faults import FaultyRunner
+from livetools import live_server
 
 import engine.async_engine as async_engine_mod
-from api.app import create_app
-from api.server import GracefulServer
-from api.state import AppState
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from scheduler.config import SchedulerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 LONG = {"prompt": [3, 4, 5, 6], "max_tokens": 100, "ignore_eos": True, "temperature": 0}
-
-
-@dataclass
-class Server:
-    url: str
-    engine: AsyncEngine
-    runner: FaultyRunner
-    http: GracefulServer
-    thread: threading.Thread
-
-    def blocks_all_free(self, timeout: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout
-        eng = self.engine.engine
-        while time.monotonic() < deadline:
-            bm = eng.scheduler.block_manager
-            if not eng.requests and bm.num_free_blocks == bm.num_blocks:
-                bm.check_invariants()
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"engine not idle: {list(eng.requests)}, {self.engine.stats()}")
-
-
-@contextmanager
-def served(llama_runner: ModelRunner, *, delay: float = 0.0,
-           shutdown_timeout: float = 10.0) -> Iterator[Server]:
-    sc = SchedulerConfig(block_size=llama_runner.block_size, max_model_len=128, max_num_seqs=4,
-                         max_num_batched_tokens=32)
-    cfg = EngineConfig(model=None, dtype="float32", device="cpu", scheduler=sc,
-                       served_model_name="tiny")
-    runner = FaultyRunner(llama_runner, delay=delay)
-    engine = AsyncEngine(cfg, LLMEngine(cfg, runner=runner))  # type: ignore[arg-type]
-    app = create_app(engine)
-    http = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"),
-                          AppState.of_app(app).lifecycle, shutdown_timeout)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not (http.started and engine.is_ready()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.is_ready()
-        port = http.servers[0].sockets[0].getsockname()[1]
-        yield Server(f"http://127.0.0.1:{port}", engine, runner, http, thread)
-    finally:
-        runner.unstall()
-        http.should_exit = True
-        thread.join(20)
-        assert not thread.is_alive()
 
 
 def stream_events(client: httpx.Client, url: str, body: dict[str, Any],
@@ -124,7 +65,7 @@ def post(client: httpx.Client, url: str, body: dict[str, Any]) -> httpx.Response
 
 def test_failed_step_gives_its_requests_a_clean_error_and_serving_goes_on(
         llama_runner: ModelRunner, caplog: pytest.LogCaptureFixture) -> None:
-    with served(llama_runner, delay=0.01) as s, httpx.Client(timeout=30) as client:
+    with live_server(llama_runner, delay=0.01) as s, httpx.Client(timeout=30) as client:
         s.runner.fail = 1
         events = stream_events(client, s.url, LONG)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "internal_error"
@@ -142,7 +83,7 @@ def test_failed_step_gives_its_requests_a_clean_error_and_serving_goes_on(
 
 def test_engine_that_keeps_failing_turns_health_503_and_says_why(
         llama_runner: ModelRunner, caplog: pytest.LogCaptureFixture) -> None:
-    with served(llama_runner) as s, httpx.Client(timeout=30) as client:
+    with live_server(llama_runner) as s, httpx.Client(timeout=30) as client:
         s.runner.fail = 100
         for _ in range(async_engine_mod.MAX_CONSECUTIVE_FAILURES):
             assert client.post(s.url + "/v1/completions", json=LONG).status_code == 500
@@ -154,15 +95,15 @@ def test_engine_that_keeps_failing_turns_health_503_and_says_why(
 
 
 def test_hung_step_turns_health_503_and_logs_it(llama_runner: ModelRunner,
-                                                 monkeypatch: pytest.MonkeyPatch,
                                                  caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(async_engine_mod, "STUCK_AFTER_S", 0.3)
     caplog.set_level(logging.ERROR, logger="pagedserve.engine")
-    with served(llama_runner) as s, httpx.Client(timeout=30) as client:
-        s.runner.stall()
+    with live_server(llama_runner, stuck_after_s=0.3) as s, httpx.Client(timeout=30) as client:
+        s.runner.stall()  # the step hangs until unstall(): /health must turn 503 meanwhile
         pending = in_thread(post, client, s.url, {**LONG, "max_tokens": 2})
-        time.sleep(0.6)
-        assert client.get(s.url + "/health").status_code == 503
+        deadline = time.monotonic() + 20
+        while client.get(s.url + "/health").status_code == 200:
+            assert time.monotonic() < deadline, "/health stayed 200 during a hung step"
+            time.sleep(0.05)
         assert "engine step running for" in caplog.text
         s.runner.unstall()
         assert pending.result(10).status_code == 200
@@ -173,7 +114,7 @@ def test_hung_step_turns_health_503_and_logs_it(llama_runner: ModelRunner,
 
 
 def test_sigterm_drains_running_streams_and_refuses_new_ones(llama_runner: ModelRunner) -> None:
-    with served(llama_runner, delay=0.02, shutdown_timeout=20) as s, \
+    with live_server(llama_runner, delay=0.02, shutdown_timeout=20) as s, \
             httpx.Client(timeout=30) as client:
         first = threading.Event()
         body = {**LONG, "max_tokens": 40, "stream_options": {"include_usage": True}}
@@ -197,7 +138,7 @@ def test_sigterm_drains_running_streams_and_refuses_new_ones(llama_runner: Model
 
 def test_sigterm_after_shutdown_timeout_aborts_the_rest_cleanly(
         llama_runner: ModelRunner) -> None:
-    with served(llama_runner, delay=0.05, shutdown_timeout=0.3) as s, \
+    with live_server(llama_runner, delay=0.05, shutdown_timeout=0.3) as s, \
             httpx.Client(timeout=30) as client:
         first = threading.Event()
         streamed = in_thread(stream_events, client, s.url, LONG, first)
@@ -217,7 +158,7 @@ def test_sigterm_after_shutdown_timeout_aborts_the_rest_cleanly(
 
 
 def test_second_signal_stops_waiting(llama_runner: ModelRunner) -> None:
-    with served(llama_runner, delay=0.05, shutdown_timeout=60) as s, \
+    with live_server(llama_runner, delay=0.05, shutdown_timeout=60) as s, \
             httpx.Client(timeout=30) as client:
         first = threading.Event()
         pending = in_thread(stream_events, client, s.url, LONG, first)

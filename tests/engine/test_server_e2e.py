@@ -12,35 +12,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import uvicorn
+from livetools import live_server
 
-from api.app import create_app
 from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from scheduler.config import SchedulerConfig
 
 
 @pytest.fixture
 def live(llama_runner: ModelRunner) -> Iterator[tuple[str, AsyncEngine]]:
-    sc = SchedulerConfig(block_size=llama_runner.block_size, max_model_len=128, max_num_seqs=4,
-                         max_num_batched_tokens=32)
-    cfg = EngineConfig(model=None, dtype="float32", device="cpu", scheduler=sc,
-                       served_model_name="tiny")
-    engine = AsyncEngine(cfg, LLMEngine(cfg, runner=llama_runner))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not (server.started and engine.is_ready()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.is_ready()
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(10)
+    with live_server(llama_runner) as server:
+        yield server.url, server.engine
 
 
 def wait_all_free(engine: AsyncEngine, timeout: float = 10) -> None:

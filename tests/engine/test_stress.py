@@ -128,7 +128,8 @@ def test_disconnect_storm(llama_runner: ModelRunner) -> None:
             if hang_up == "never":
                 check_stream_ok(resp, n)
         live.wait_idle(timeout=5)
-        assert not live.engine._queues  # no per-request queue left on the event loop side
+        # no stream or pending admission left on the event loop side
+        assert not live.engine._streams and not live.engine._pending
         text_body(live)
 
 
@@ -338,7 +339,7 @@ def test_soak_memory_stays_flat(llama_runner: ModelRunner) -> None:
         live.wait_idle()
         rss_end, grown = _rss_bytes(), _live_objects()
         grown.subtract(objects_warm)
-        assert not live.engine._queues
+        assert not live.engine._streams and not live.engine._pending
     print(f"\nsoak: {SOAK_REQUESTS - WARM_UP} requests in {elapsed:.1f} s; RSS after warm-up "
           f"{rss_warm / 2**20:.1f} MiB, at the end {rss_end / 2**20:.1f} MiB")
     assert rss_end <= rss_warm * RSS_GROWTH_BOUND, (rss_warm, rss_end)
