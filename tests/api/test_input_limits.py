@@ -367,3 +367,26 @@ def test_without_api_key_everything_is_open() -> None:
     with serve(FakeEngine()) as client:
         for route in _routes(client):
             assert _call(client, route, {}).status_code == 200, route.path
+
+
+def test_prompt_text_too_long_to_fit_is_refused_before_tokenizing() -> None:
+    class Counting(FakeEngine):
+        tokenized: list[int] = []
+
+        async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            self.tokenized.append(len(text))
+            return await super().tokenize(text, add_special_tokens)
+
+    engine = Counting()  # max_model_len 128; max_prompt_bytes 4 * 128 (a token: a character)
+    with serve(engine) as client:
+        for path, body, param in (
+                ("/v1/completions", {"prompt": "x" * 513}, "prompt"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "é" * 300}]},
+                 "messages")):
+            r = client.post(path, json=body)
+            assert error_of(r, 400, param)["code"] == "context_length_exceeded"
+        assert engine.tokenized == []  # neither text reached the tokenizer
+        # Under the bound, the text is tokenized and the usual context check answers.
+        r = client.post("/v1/completions", json={"prompt": "x" * 512})
+        assert error_of(r, 400, "prompt")["code"] == "context_length_exceeded"
+        assert engine.tokenized == [512]

@@ -135,3 +135,50 @@ def test_health_and_bad_input_never_500(live: tuple[str, AsyncEngine]) -> None:
     assert r.status_code == 400
     r = httpx.post(url + "/v1/completions", content=b"{not json")
     assert r.status_code == 400
+
+
+def test_a_4mb_prompt_does_not_stall_other_streams(llama_runner: ModelRunner) -> None:
+    """Tokenizing 4 MB takes seconds here (3.5 s for SmolLM2's tokenizer); done on the
+    event loop it would hold every open stream for that long. A prompt text that can never
+    fit is refused before it is tokenized, and any tokenizing runs on the tokenizer thread,
+    so a running stream's tokens keep coming about a step apart."""
+    big = "hello world, the quick brown fox. " * (4_000_000 // 34)
+    requests = [("/v1/completions", json.dumps({"prompt": big, "max_tokens": 1})),
+                ("/v1/chat/completions",
+                 json.dumps({"messages": [{"role": "user", "content": big}]}))] * 3
+    with live_server(llama_runner, delay=0.02) as server:
+        body = {"prompt": [3, 4, 5], "max_tokens": 120, "ignore_eos": True, "stream": True}
+        arrivals: list[float] = []
+        windows: list[tuple[float, float]] = []
+
+        def send_big() -> None:
+            with httpx.Client(timeout=60) as client:
+                deadline = time.monotonic() + 30
+                while len(arrivals) < 10 and time.monotonic() < deadline:
+                    time.sleep(0.01)  # until the stream is under way
+                for path, big_body in requests:
+                    start = time.monotonic()
+                    r = client.post(server.url + path, content=big_body,
+                                    headers={"content-type": "application/json"})
+                    windows.append((start, time.monotonic()))
+                    assert r.status_code == 400, r.text
+                    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+        with ThreadPoolExecutor(1) as pool:
+            side = pool.submit(send_big)
+            with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                              timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+            side.result(60)  # re-raises what failed there
+    assert len(arrivals) > 30 and len(windows) == len(requests)  # (some deltas hold 2 tokens)
+    gaps = sorted(b - a for a, b in zip(arrivals[5:], arrivals[6:]))
+    step = gaps[len(gaps) // 2]
+    during = [b - a for a, b in zip(arrivals, arrivals[1:])
+              if any(a < end and b > start for start, end in windows)]
+    assert during, "the stream ended before the big prompts were sent"
+    # Tokenized on the event loop, the largest gap would be the tokenize time (6 s for this
+    # tokenizer); refused untokenized, what is left is reading and parsing 4 MB of JSON in
+    # this same process (measured up to 0.14 s on 2 busy cores).
+    assert max(during) < step + 0.4, (max(during), step)

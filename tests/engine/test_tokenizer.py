@@ -361,3 +361,15 @@ def test_stop_strings_ignored_while_not_checked(smol: Tokenizer) -> None:
     assert (first, hit) == ("one two", None)
     rest, hit = detok.step(ids[2:])
     assert (rest, hit) == (" one", " two")
+
+
+@pytest.mark.parametrize("name", ["smol", "sp"])
+def test_max_token_bytes_bounds_every_tokens_text(name: str,
+                                                  request: pytest.FixtureRequest) -> None:
+    """The prompt-size bound (EngineLimits.max_prompt_bytes) rests on this: no token's text
+    is longer than max_token_bytes, so N tokens never cover more than N times it."""
+    tok: Tokenizer = request.getfixturevalue(name)
+    bound = tok.max_token_bytes()
+    longest = max(len(tok.decode([i], skip_special_tokens=False).encode("utf-8", "replace"))
+                  for i in range(tok.vocab_size))
+    assert 0 < longest <= bound
