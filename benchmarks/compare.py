@@ -235,8 +235,8 @@ def headline(by_load: Mapping[str, Mapping[str, dict[str, float | None]]]) -> di
 
 
 def checks(results: Mapping[str, Any], by_load: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Issue 4's targets at concurrency 16 and at the 80% Poisson rate; pass is None when a
-    number is missing (server not run or failed)."""
+    """The serving targets (TARGETS) at concurrency 16 and at the 80% Poisson rate; pass is
+    None when a number is missing (server not run or failed)."""
     out = []
     for load in (HEADLINE_LOAD, POISSON_TARGET_LOAD):
         for baseline, metric, op, bound in TARGETS:

@@ -20,6 +20,7 @@ from engine.protocol import (
     EngineDeadError,
     EngineLimits,
     EngineStats,
+    InvalidParamError,
     PromptTooLongError,
     RequestStream,
 )
@@ -133,6 +134,9 @@ class FakeEngine:
         if len(prompt) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(prompt)} tokens; max_model_len is "
                                      f"{self.max_model_len}")
+        bad = next((t for t in prompt if not 0 <= t < MAX_ID), None)
+        if bad is not None:
+            raise InvalidParamError("prompt", f"prompt token id {bad} is out of range")
         if request_id in self._runs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.submitted.append(Submitted(request_id, prompt, params, priority, deadline))

@@ -1,0 +1,173 @@
+"""The engine-API contract (engine/protocol.py), run against both engines the API is tested
+with: the torch-free FakeEngine of the API tests and the real AsyncEngine on a tiny model.
+What the API relies on must hold for both, or the API tests prove nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.protocol import (
+    EngineClient,
+    EngineDeadError,
+    InvalidParamError,
+    PromptTooLongError,
+    RequestOutput,
+    RequestStream,
+)
+from scheduler.config import SchedulerConfig
+from scheduler.sampling_params import SamplingParams
+from tests.support.fake_engine import FakeEngine
+
+MAX_MODEL_LEN = 64
+PROMPT = [5, 6, 7, 8]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+
+def real_engine(runner: ModelRunner) -> AsyncEngine:
+    sc = SchedulerConfig(block_size=runner.block_size, max_model_len=MAX_MODEL_LEN)
+    cfg = EngineConfig(model=None, dtype="float32", device="cpu", scheduler=sc)
+    eng = AsyncEngine(cfg, LLMEngine(cfg, runner=runner))
+    threading.Thread(target=eng.run_step_loop, daemon=True).start()
+    return eng
+
+
+@pytest.fixture(params=["fake", "real"])
+def make_engine(request: pytest.FixtureRequest) -> Callable[[], EngineClient]:
+    if request.param == "fake":
+        return lambda: FakeEngine(max_model_len=MAX_MODEL_LEN, token_delay=0.005)
+    runner = request.getfixturevalue("llama_runner")
+    return lambda: real_engine(runner)
+
+
+def run(make_engine: Callable[[], EngineClient],
+        body: Callable[[EngineClient], Awaitable[None]]) -> None:
+    """Start an engine, run `body` against it, shut it down; bounded in time."""
+    async def main() -> None:
+        engine = make_engine()
+        await engine.start()
+        try:
+            await body(engine)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+async def collect(stream: RequestStream) -> list[RequestOutput]:
+    async with contextlib.aclosing(stream):
+        return [o async for o in stream]
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def test_limits_and_readiness_follow_start_and_shutdown(
+        make_engine: Callable[[], EngineClient]) -> None:
+    async def main() -> None:
+        engine = make_engine()
+        assert engine.limits is None and not engine.is_ready()
+        with pytest.raises(EngineDeadError):
+            await engine.submit("early", PROMPT, GREEDY)
+        await engine.start()
+        assert engine.is_ready()
+        assert engine.limits is not None and engine.limits.max_model_len == MAX_MODEL_LEN
+        await engine.shutdown()
+        assert not engine.is_ready()
+        with pytest.raises(EngineDeadError):
+            await engine.submit("late", PROMPT, GREEDY)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_an_admitted_request_streams_deltas_to_one_final(
+        make_engine: Callable[[], EngineClient]) -> None:
+    async def body(engine: EngineClient) -> None:
+        outs = await collect(await engine.submit("r", PROMPT, GREEDY))
+        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+        assert outs[-1].finish_reason == "length" and outs[-1].error is None
+        assert sum(len(o.new_token_ids) for o in outs) == 6
+        assert outs[-1].num_output_tokens == 6
+        prompts = [o.prompt_token_ids for o in outs if o.prompt_token_ids is not None]
+        assert prompts == [tuple(PROMPT)]  # sent once
+
+    run(make_engine, body)
+
+
+def test_refusals_are_raised_by_submit(make_engine: Callable[[], EngineClient]) -> None:
+    async def body(engine: EngineClient) -> None:
+        with pytest.raises(PromptTooLongError):
+            await engine.submit("long", [5] * MAX_MODEL_LEN, GREEDY)
+        assert engine.limits is not None
+        with pytest.raises(InvalidParamError) as info:
+            await engine.submit("oov", [engine.limits.vocab_size], GREEDY)
+        assert info.value.param == "prompt"
+        stream = await engine.submit("dup", PROMPT, LONG)
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.submit("dup", PROMPT, LONG)
+        await stream.aclose()
+        outs = await collect(await engine.submit("after", PROMPT, GREEDY))
+        assert outs[-1].finish_reason == "length"  # refusals left nothing behind
+
+    run(make_engine, body)
+
+
+def test_closing_a_stream_early_aborts_its_request(
+        make_engine: Callable[[], EngineClient]) -> None:
+    async def body(engine: EngineClient) -> None:
+        stream = await engine.submit("gone", PROMPT, LONG)
+        got = 0
+        async for out in stream:
+            got += len(out.new_token_ids)
+            if got >= 2:
+                break
+        await stream.aclose()
+        await until(lambda: engine.stats().num_running == 0, "the aborted request still runs")
+        outs = await collect(await engine.submit("next", PROMPT, GREEDY))
+        assert outs[-1].finish_reason == "length"
+
+    run(make_engine, body)
+
+
+def test_shutdown_ends_open_streams_with_engine_dead(
+        make_engine: Callable[[], EngineClient]) -> None:
+    async def main() -> None:
+        engine = make_engine()
+        await engine.start()
+        stream = await engine.submit("open", PROMPT, LONG)
+
+        async def drain(s: AsyncIterator[RequestOutput]) -> None:
+            async for _ in s:
+                pass
+
+        reader = asyncio.create_task(drain(stream))
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await reader
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_tokenizer_calls_are_coroutines(make_engine: Callable[[], EngineClient]) -> None:
+    async def body(engine: EngineClient) -> None:
+        ids = await engine.tokenize("hello world", add_special_tokens=False)
+        assert ids and await engine.detokenize(ids) == "hello world"
+        text = await engine.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert isinstance(text, str) and "hi" in text
+
+    run(make_engine, body)
