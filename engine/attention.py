@@ -8,7 +8,8 @@ the work grows with each sequence's context, never with the square of T (the blo
 mask that makes transformers' own continuous batching slow on CPU).
 
 Packed order, fixed by the runner: first the decode tokens (one query per sequence,
-batched into two bmm calls), then the prefill chunks (one SDPA call each).
+batched into two bmm calls per group of decodes under a byte budget), then the prefill
+chunks (one SDPA call each).
 """
 
 from __future__ import annotations
@@ -19,7 +20,26 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.step_tensors import to_device
+
 ATTN_NAME = "pagedserve"
+
+
+# Decode attention gathers each decode's context into a padded [g, kvH, ctx, hd] K and V.
+# Unbounded, that is max_num_seqs x max_model_len of K/V per layer (256 x 8192 tokens of an
+# 8B GQA model: 4 GiB each), far beyond what profiling a prefill reserves. So the decodes of
+# a step run in groups whose gathered K + V stay within a byte budget (the CUDA pool sizing
+# profiles a decode step at this budget). On the CPU a small budget is also faster: a group
+# whose K/V stay in cache between the gather and the two bmm calls. Measured on the 2-core
+# EPYC (32 MiB L3), SmolLM2 shapes: 64 sequences x 512-1024 context 2-4x faster at 8 MiB
+# than one gather, 16 x 512 unchanged (one group); 2 MiB groups cost more in overhead.
+DECODE_GATHER_BYTES = {"cuda": 256 << 20}
+CPU_DECODE_GATHER_BYTES = 8 << 20
+
+
+def decode_gather_budget(device: torch.device) -> int:
+    """Bytes of gathered decode K + V one group may materialise on this device."""
+    return DECODE_GATHER_BYTES.get(device.type, CPU_DECODE_GATHER_BYTES)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -32,6 +52,17 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class DecodeGroup:
+    """Consecutive decodes [start, end) attended together, padded to the group's own widest
+    block table (a short group does not pay for the step's longest context)."""
+
+    start: int
+    end: int
+    rows: torch.Tensor  # pool rows of the group's block tables (pool_rows), padded with block 0
+    mask: torch.Tensor  # [end - start, max_blocks * block_size] bool, True = a real context token
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class AttentionMetadata:
     # [layers, 2, num_blocks, kv_heads, block_size, head_dim]; None only in the profiling run,
     # which is a single c == 0 prefill that reads nothing from the pool. Head-major blocks:
@@ -41,8 +72,7 @@ class AttentionMetadata:
     write_blocks: torch.Tensor  # [T] pool block of each packed token's new K/V
     write_offsets: torch.Tensor  # [T] its offset inside that block
     num_decodes: int  # the first num_decodes packed tokens are single-token queries
-    decode_rows: torch.Tensor  # pool rows of the decodes' block tables, padded with block 0
-    decode_mask: torch.Tensor  # [D, max_blocks * block_size] bool, True = a real context token
+    decode_groups: tuple[DecodeGroup, ...]  # they cover [0, num_decodes) in order
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -53,24 +83,68 @@ def build_metadata(
     decodes: list[tuple[list[int], int]],
     prefills: list[tuple[int, int, int, list[int]]],
     device: torch.device,
+    gather_budget: int | None = None,
 ) -> AttentionMetadata:
-    """decodes: (block table, context length) per decode; prefills: (start, n, c, block table)."""
+    """decodes: (block table, context length) per decode; prefills: (start, n, c, block table).
+    gather_budget: bytes of K + V one decode group may gather (default: the device's)."""
     kv_heads = kv_cache.shape[3] if kv_cache is not None else 1
-    max_blocks = max((len(bt) for bt, _ in decodes), default=1)
-    tables = [bt + [0] * (max_blocks - len(bt)) for bt, _ in decodes]
-    ctx = torch.tensor([c for _, c in decodes], dtype=torch.long)
-    positions = torch.arange(max_blocks * block_size)
-    slots = torch.tensor(slot_mapping, dtype=torch.long)
+    slots = to_device(slot_mapping, torch.long, device)  # [T]
+    budget = decode_gather_budget(device) if gather_budget is None else gather_budget
+    spans = split_decodes([len(bt) for bt, _ in decodes], _block_gather_bytes(kv_cache), budget)
     return AttentionMetadata(
         kv_cache=kv_cache,
-        write_blocks=(slots // block_size).to(device),
-        write_offsets=(slots % block_size).to(device),
+        write_blocks=slots // block_size,
+        write_offsets=slots % block_size,
         num_decodes=len(decodes),
-        decode_rows=pool_rows(torch.tensor(tables, dtype=torch.long).view(
-            len(decodes), max_blocks), kv_heads).to(device),
-        decode_mask=(positions[None, :] < ctx[:, None]).to(device),
+        decode_groups=_decode_groups(decodes, spans, block_size, kv_heads, device),
         prefills=tuple(_prefill_chunk(*p, block_size, kv_heads, device) for p in prefills),
     )
+
+
+def _block_gather_bytes(kv_cache: torch.Tensor | None) -> int:
+    """Bytes one block of one sequence adds to a decode gather: its K and V, every kv head."""
+    if kv_cache is None:
+        return 1
+    _, _, _, kv_heads, block_size, head_dim = kv_cache.shape
+    return 2 * kv_heads * block_size * head_dim * kv_cache.element_size()
+
+
+def split_decodes(num_blocks: list[int], block_bytes: int, budget: int) -> list[tuple[int, int]]:
+    """Cut the decodes (their block-table lengths, in packed order) into consecutive
+    [start, end) groups whose padded gather, size * widest table * block_bytes, stays within
+    budget. A decode over the budget on its own still gets a group (of one)."""
+    groups: list[tuple[int, int]] = []
+    start, widest = 0, 0
+    for i, nb in enumerate(num_blocks):
+        wider = max(widest, nb)
+        if i > start and (i + 1 - start) * wider * block_bytes > budget:
+            groups.append((start, i))
+            start, wider = i, nb
+        widest = wider
+    if num_blocks:
+        groups.append((start, len(num_blocks)))
+    return groups
+
+
+def _decode_groups(decodes: list[tuple[list[int], int]], spans: list[tuple[int, int]],
+                   block_size: int, kv_heads: int,
+                   device: torch.device) -> tuple[DecodeGroup, ...]:
+    """Every group's padded tables and context lengths go to the device in one copy each."""
+    if not decodes:
+        return ()
+    widths = [max(len(bt) for bt, _ in decodes[s:e]) for s, e in spans]
+    flat = [b for (s, e), w in zip(spans, widths) for bt, _ in decodes[s:e]
+            for b in bt + [0] * (w - len(bt))]
+    tables = to_device(flat, torch.long, device)  # [sum of group size * width]
+    ctx = to_device([c for _, c in decodes], torch.long, device)  # [D]
+    groups, offset = [], 0
+    for (s, e), w in zip(spans, widths):
+        table = tables[offset:offset + (e - s) * w].view(e - s, w)  # [g, w]
+        offset += (e - s) * w
+        positions = torch.arange(w * block_size, device=device)
+        groups.append(DecodeGroup(s, e, pool_rows(table, kv_heads),
+                                  positions[None, :] < ctx[s:e, None]))
+    return tuple(groups)
 
 
 def pool_rows(tables: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -78,7 +152,7 @@ def pool_rows(tables: torch.Tensor, kv_heads: int) -> torch.Tensor:
     that hold them, ordered (sequence, kv head, block): one index_select then copies each
     (sequence, kv head)'s context out as contiguous [ctx, hd]. Built once per step, shared
     by every layer; index_select moves whole rows (10x faster here than advanced indexing)."""
-    heads = torch.arange(kv_heads)[None, :, None]
+    heads = torch.arange(kv_heads, device=tables.device)[None, :, None]
     return (tables[:, None, :] * kv_heads + heads).reshape(-1)
 
 
@@ -86,10 +160,10 @@ def _prefill_chunk(start: int, n: int, c: int, table: list[int], block_size: int
                    kv_heads: int, device: torch.device) -> PrefillChunk:
     if c == 0:  # the whole context is in this step's k/v: plain causal attention
         return PrefillChunk(start, n, 0, None, None)
-    blocks = torch.tensor(table[:-(-(c + n) // block_size)], dtype=torch.long)
-    pos = torch.arange(c + n)
-    mask = (pos[None, :] <= (c + torch.arange(n))[:, None]).to(device)  # query i is at c + i
-    return PrefillChunk(start, n, c, pool_rows(blocks[None], kv_heads).to(device), mask)
+    blocks = to_device(table[:-(-(c + n) // block_size)], torch.long, device)
+    pos = torch.arange(c + n, device=device)
+    mask = pos[None, :] <= (c + torch.arange(n, device=device))[:, None]  # query i is at c + i
+    return PrefillChunk(start, n, c, pool_rows(blocks[None], kv_heads), mask)
 
 
 def register() -> None:
@@ -127,10 +201,10 @@ def paged_attention(
         k_pool, v_pool = meta.kv_cache[layer]  # each [blocks, kvH, block_size, hd]
         write_kv(k_pool, v_pool, k, v, meta)
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, hd]
-    d = meta.num_decodes
-    if d:
+    for group in meta.decode_groups:
         assert k_pool is not None and v_pool is not None, "decodes read the pool"
-        out[:d] = decode_attention(q[:, :d], k_pool, v_pool, meta, scale)
+        out[group.start:group.end] = decode_attention(q[:, group.start:group.end], k_pool,
+                                                      v_pool, group, scale)
     for chunk in meta.prefills:
         out[chunk.start:chunk.start + chunk.num_tokens] = prefill_attention(
             q, k, v, k_pool, v_pool, chunk, scale)
@@ -154,23 +228,22 @@ def gather_context(pool: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [H, D, hd], one query per sequence -> [D, H, hd].
+                     group: DecodeGroup, scale: float) -> torch.Tensor:
+    """q [H, g, hd], one query per sequence of the group -> [g, H, hd].
 
-    Gathers each sequence's blocks into a padded [D, kvH, C, hd] and runs two bmm calls with
+    Gathers each sequence's blocks into a padded [g, kvH, C, hd] and runs two bmm calls with
     the query heads grouped per KV head (GQA without repeating K/V). Measured on the 2-core
     Zen 5 at 16-64 sequences x 100-500 context, fp32 and bf16: faster than padded SDPA, than
     one SDPA per sequence, and than a token-major pool (whose gather needs a transpose)."""
     heads, d, head_dim = q.shape
     kv_heads = k_pool.shape[1]
-    group = heads // kv_heads
-    ctx = meta.decode_mask.shape[1]
-    k = gather_context(k_pool, meta.decode_rows, d).view(d * kv_heads, ctx, head_dim)
-    v = gather_context(v_pool, meta.decode_rows, d).view(d * kv_heads, ctx, head_dim)
-    qg = q.transpose(0, 1).reshape(d * kv_heads, group, head_dim)  # q head h uses kv head h // G
-    scores = torch.bmm(qg, k.transpose(1, 2)).view(d, kv_heads, group, ctx).float() * scale
-    scores.masked_fill_(~meta.decode_mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(d * kv_heads, group, ctx)
+    ctx = group.mask.shape[1]
+    k = gather_context(k_pool, group.rows, d).view(d * kv_heads, ctx, head_dim)
+    v = gather_context(v_pool, group.rows, d).view(d * kv_heads, ctx, head_dim)
+    qg = q.transpose(0, 1).reshape(d * kv_heads, heads // kv_heads, head_dim)  # q head h: kv h // G
+    scores = torch.bmm(qg, k.transpose(1, 2)).view(d, kv_heads, -1, ctx).float() * scale
+    scores.masked_fill_(~group.mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(d * kv_heads, -1, ctx)
     return torch.bmm(probs, v).view(d, heads, head_dim)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -9,7 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import build_metadata, paged_attention
+from engine.attention import (
+    AttentionMetadata,
+    build_metadata,
+    paged_attention,
+    split_decodes,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, LAYERS = 6, 2, 16, 4, 64, 2
 
@@ -23,8 +29,10 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int) -
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0].transpose(0, 1)
 
 
-def run_case(specs: list[tuple[int, int]], seed: int) -> None:
-    """specs: (already computed c, scheduled n) per sequence; n == 1 sequences are decodes."""
+def run_case(specs: list[tuple[int, int]], seed: int,
+             budget: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+    """specs: (already computed c, scheduled n) per sequence; n == 1 sequences are decodes.
+    budget: the decode gather budget in bytes (None: the CPU default). Returns the output."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     pool = torch.zeros(LAYERS, 2, NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM)
@@ -55,7 +63,8 @@ def run_case(specs: list[tuple[int, int]], seed: int) -> None:
         qs.append(torch.randn(HEADS, n, HEAD_DIM, generator=gen))
         ks.append(full_k[i][:, c:])
         vs.append(full_v[i][:, c:])
-    meta = build_metadata(pool, BLOCK, slots, decodes, prefills, torch.device("cpu"))
+    meta = build_metadata(pool, BLOCK, slots, decodes, prefills, torch.device("cpu"),
+                          gather_budget=budget)
     q, k, v = torch.cat(qs, 1)[None], torch.cat(ks, 1)[None], torch.cat(vs, 1)[None]
     out, _ = paged_attention(SimpleNamespace(layer_idx=layer), q, k, v, None,
                              scaling=HEAD_DIM ** -0.5, attn_metadata=meta)
@@ -69,6 +78,7 @@ def run_case(specs: list[tuple[int, int]], seed: int) -> None:
         torch.testing.assert_close(pool[layer, 0, tables[i][p // BLOCK], :, p % BLOCK],
                                    full_k[i][:, p])
     assert pool[0].abs().sum() == 0  # other layers untouched
+    return out, meta
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -89,3 +99,51 @@ def test_decode_block_padding_is_masked() -> None:
     # One long and one short context: the short one's padded table points at block 0,
     # which holds another sequence's data that must not leak in.
     run_case([(37, 1), (2, 1)], seed=12)
+
+
+BLOCK_BYTES = 2 * KV_HEADS * BLOCK * HEAD_DIM * 4  # K + V of one block, fp32
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_grouped_decodes_equal_one_group(seed: int) -> None:
+    rng = random.Random(seed)
+    specs = [(rng.randint(0, 40), 1) for _ in range(9)] + [(3, 5)]  # a prefill rides along
+    one, meta = run_case(specs, seed, budget=1 << 40)
+    assert len(meta.decode_groups) == 1
+    for budget in (1, 3 * BLOCK_BYTES, 12 * BLOCK_BYTES):  # each decode alone; a few; more
+        grouped, meta = run_case(specs, seed, budget=budget)
+        assert len(meta.decode_groups) > 1
+        spans = [(g.start, g.end) for g in meta.decode_groups]
+        assert spans[0][0] == 0 and spans[-1][1] == meta.num_decodes == 9
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # contiguous, in order
+        torch.testing.assert_close(grouped, one, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_group_is_padded_to_its_own_widest_table() -> None:
+    _, meta = run_case([(30, 1), (2, 1), (3, 1)], seed=13, budget=8 * BLOCK_BYTES)
+    assert [(g.start, g.end) for g in meta.decode_groups] == [(0, 1), (1, 3)]
+    assert [g.mask.shape for g in meta.decode_groups] == [(1, 8 * BLOCK), (2, BLOCK)]
+    assert [g.rows.numel() for g in meta.decode_groups] == [8 * KV_HEADS, 2 * KV_HEADS]
+
+
+def test_split_decodes_keeps_each_group_within_budget() -> None:
+    # group bytes = size * widest table * block bytes (10 here)
+    assert split_decodes([], 10, 100) == []
+    assert split_decodes([2, 2, 2], 10, 1000) == [(0, 3)]
+    assert split_decodes([2, 2, 2, 2, 2], 10, 40) == [(0, 2), (2, 4), (4, 5)]
+    # a wide table closes the group before it, and starts its own
+    assert split_decodes([1, 1, 6, 1], 10, 60) == [(0, 2), (2, 3), (3, 4)]
+    assert split_decodes([1, 1, 1, 6], 10, 60) == [(0, 3), (3, 4)]
+    # a decode over the budget on its own still runs, alone
+    assert split_decodes([9, 1], 10, 50) == [(0, 1), (1, 2)]
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.randint(1, 20) for _ in range(rng.randint(1, 30))]
+        budget = rng.randint(1, 400)
+        groups = split_decodes(sizes, 10, budget)
+        assert [s for s, _ in groups] == [0] + [e for _, e in groups[:-1]]
+        assert groups[-1][1] == len(sizes)
+        for s, e in groups:
+            assert e - s == 1 or (e - s) * max(sizes[s:e]) * 10 <= budget
+            if e < len(sizes):  # greedy: the next decode would not have fitted
+                assert (e + 1 - s) * max(sizes[s:e + 1]) * 10 > budget
