@@ -283,7 +283,6 @@ class LLMEngine:
             self.scheduler.abort(seq.seq_id)
         assert seq.is_finished, f"the scheduler did not finish {seq!r}"
         del self.requests[seq.seq_id]
-        self.runner.release([seq.seq_id])
         base = self._delta(req, new_ids, text, logprobs)
         queue_time = (None if seq.first_scheduled_time is None
                       else seq.first_scheduled_time - seq.arrival_time)

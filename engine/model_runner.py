@@ -1,16 +1,19 @@
 """ModelRunner: one packed forward per engine step over a paged KV pool.
 
-`execute()` turns a SchedulerOutput into tensors in one place (`_prepare`), runs the HF
-model once over all scheduled tokens ([1, T], positions restarting per sequence, no
+`execute()` turns a SchedulerOutput into tensors in one place (`_prepare`: model inputs,
+attention metadata and the sampler's batch, all through `step_tensors.to_device`), runs the
+HF model once over all scheduled tokens ([1, T], positions restarting per sequence, no
 padding), computes logits only at the positions that need them, and samples.
+
+The runner keeps no per-request state: everything a step needs comes with the
+SchedulerOutput's sequences, so there is nothing to release when a request ends.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,7 +22,9 @@ from engine.attention import AttentionMetadata, build_metadata
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.runner_output import RunnerOutput
-from engine.sampler import Sampler, compute_prompt_logprobs
+from engine.sampler import compute_prompt_logprobs, sample
+from engine.sampling_batch import SamplingBatch, SamplingBatchBuilder
+from engine.step_tensors import to_device
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence
 
@@ -28,22 +33,50 @@ log = logging.getLogger(__name__)
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """A sequence's prompt positions that report logprobs this step: logits rows
+    [row, row + count), predicting prompt_targets[offset : offset + count]."""
+
+    seq_id: str
+    row: int
+    count: int
+    offset: int
+    top_n: int
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class StepInputs:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     metadata: AttentionMetadata
     keep: torch.Tensor  # [K] packed positions whose logits are computed
-    sample_rows: list[tuple[int, int]]  # (batch index, logits row) of sequences that sample
-    # batch index -> (first logits row, the prompt token ids those rows predict)
-    prompt_rows: dict[int, tuple[int, list[int]]]
+    sample_ids: list[str]  # the sequences that sample, in batch order
+    sample_rows: torch.Tensor | None  # [S] their logits rows; None when none samples
+    sampling: SamplingBatch | None  # their sampling inputs
+    prompt_rows: list[PromptRows]
+    prompt_targets: torch.Tensor | None  # [P] the prompt token each prompt row predicts
+
+
+@dataclass(slots=True)
+class _Flat:
+    """A step's Python lists before they become tensors (see ModelRunner._flatten)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decodes: list[tuple[list[int], int]] = field(default_factory=list)
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)
+    sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (batch index, row)
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.block_size = config.scheduler.block_size
-        self._prompt_logprobs_next: dict[str, int] = {}  # seq_id -> next prompt position to report
 
     # ------------------------------------------------------------------ loading
 
@@ -64,11 +97,9 @@ class ModelRunner:
         self.max_model_len = min(self.config.scheduler.max_model_len,
                                  facts.max_position_embeddings, self._sliding_window_cap())
         self.num_kv_blocks = self._num_blocks()
-        # One pool for all layers, allocated once: [layers, K/V, blocks, kvH, block_size, hd]
-        self.kv_cache = torch.zeros(facts.num_layers, 2, self.num_kv_blocks, facts.num_kv_heads,
-                                    self.block_size, facts.head_dim,
-                                    dtype=self.dtype, device=self.device)
-        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=self.config.seed)
+        self.kv_cache = self._new_pool(self.num_kv_blocks)
+        self.sampling = SamplingBatchBuilder(self.vocab_size, self.eos_token_ids,
+                                             seed=self.config.seed)
         self._warm_up()
         log.info("model %s on %s (%s): %d KV blocks of %d tokens", self.model_display_name,
                  self.device, self.dtype, self.num_kv_blocks, self.block_size)
@@ -83,6 +114,12 @@ class ModelRunner:
         log.warning("sliding-window attention (window %d) is not implemented: max_model_len "
                     "is capped at the window", window)
         return int(window)
+
+    def _new_pool(self, num_blocks: int) -> torch.Tensor:
+        """One pool for all layers: [layers, K/V, blocks, kvH, block_size, hd]."""
+        f = self.facts
+        return torch.zeros(f.num_layers, 2, num_blocks, f.num_kv_heads, self.block_size,
+                           f.head_dim, dtype=self.dtype, device=self.device)
 
     def _block_bytes(self) -> int:
         f = self.facts
@@ -143,89 +180,91 @@ class ModelRunner:
         logits = self.model(input_ids=step.input_ids, position_ids=step.position_ids,
                             use_cache=False, attn_metadata=step.metadata,
                             logits_to_keep=step.keep).logits[0]  # [K, vocab]
-        self._sample(batch, step, logits, output)
-        self._prompt_logprobs(batch, step, logits, output)
+        self._sample(step, logits, output)
+        self._prompt_logprobs(step, logits, output)
         return output
 
-    def release(self, seq_ids: Iterable[str]) -> None:
-        for seq_id in seq_ids:
-            self._prompt_logprobs_next.pop(seq_id, None)
-
     def _prepare(self, batch: SchedulerOutput) -> StepInputs:
-        """Flatten the batch: decode tokens (n == 1) first, then prefill chunks."""
+        """Every input of the step, on the device, built here and only here."""
+        flat = self._flatten(batch)
+        dev, long = self.device, torch.long
+        sample_rows = sorted(flat.sample_rows)  # batch order, as the sampler sees the rows
+        sampled = [batch.seqs[i] for i, _ in sample_rows]
+        return StepInputs(
+            input_ids=to_device([flat.ids], long, dev),
+            position_ids=to_device([flat.positions], long, dev),
+            metadata=build_metadata(self.kv_cache, self.block_size, flat.slots, flat.decodes,
+                                    flat.prefills, dev),
+            keep=to_device(flat.keep, long, dev),
+            sample_ids=[seq.seq_id for seq in sampled],
+            sample_rows=to_device([r for _, r in sample_rows], long, dev) if sampled else None,
+            sampling=self.sampling.build(sampled, dev) if sampled else None,
+            prompt_rows=flat.prompt_rows,
+            prompt_targets=(to_device(flat.prompt_targets, long, dev) if flat.prompt_targets
+                            else None),
+        )
+
+    def _flatten(self, batch: SchedulerOutput) -> _Flat:
+        """The batch as lists: decode tokens (n == 1) first, then prefill chunks."""
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_scheduled_tokens[i] != 1)
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decodes: list[tuple[list[int], int]] = []
-        prefills: list[tuple[int, int, int, list[int]]] = []
-        keep: list[int] = []
-        sample_rows: list[tuple[int, int]] = []
-        prompt_rows: dict[int, tuple[int, list[int]]] = {}
+        flat = _Flat()
         for i in order:
             seq, n = batch.seqs[i], batch.num_scheduled_tokens[i]
-            c, start = seq.num_computed_tokens, len(ids)
-            ids += seq.token_ids[c:c + n]
-            positions += range(c, c + n)
-            slots += (self._slot(seq.block_table, p) for p in range(c, c + n))
+            c, start = seq.num_computed_tokens, len(flat.ids)
+            flat.ids += seq.token_ids[c:c + n]
+            flat.positions += range(c, c + n)
+            flat.slots += (self._slot(seq.block_table, p) for p in range(c, c + n))
             if n == 1:
-                decodes.append((seq.block_table, c + 1))
+                flat.decodes.append((seq.block_table, c + 1))
             else:
-                prefills.append((start, n, c, seq.block_table))
+                flat.prefills.append((start, n, c, seq.block_table))
             first, targets = self._prompt_positions(seq, c, n)
             if targets:
-                prompt_rows[i] = (len(keep), targets)
-                keep += range(start + first - c, start + first - c + len(targets))
+                flat.prompt_rows.append(PromptRows(seq.seq_id, len(flat.keep), len(targets),
+                                                   len(flat.prompt_targets),
+                                                   seq.params.prompt_logprobs or 0))
+                flat.prompt_targets += targets
+                flat.keep += range(start + first - c, start + first - c + len(targets))
             if batch.samples(i):
-                sample_rows.append((i, len(keep)))
-                keep.append(start + n - 1)
-        dev = self.device
-        return StepInputs(
-            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
-            metadata=build_metadata(self.kv_cache, self.block_size, slots, decodes, prefills, dev),
-            keep=torch.tensor(keep, dtype=torch.long, device=dev),
-            sample_rows=sorted(sample_rows),  # batch order, as the sampler sees the seqs
-            prompt_rows=prompt_rows,
-        )
+                flat.sample_rows.append((i, len(flat.keep)))
+                flat.keep.append(start + n - 1)
+        return flat
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _prompt_positions(self, seq: Sequence, c: int, n: int) -> tuple[int, list[int]]:
+    @staticmethod
+    def _prompt_positions(seq: Sequence, c: int, n: int) -> tuple[int, list[int]]:
         """Prompt positions of this chunk still owed a prompt logprob -> (first, target ids).
 
-        Position p predicts prompt token p + 1. A recompute after preemption covers the
-        prompt again; positions already reported are skipped."""
+        Position p predicts prompt token p + 1. Every position below the sequence's
+        max_num_computed_tokens was computed, and so reported, by an earlier step: a
+        recompute after preemption skips them. (Prefix-cache hits would count as computed
+        without a forward; the block manager gives none to prompt_logprobs requests.)"""
         if seq.params.prompt_logprobs is None:
             return c, []
-        first = max(c, self._prompt_logprobs_next.get(seq.seq_id, 0))
+        first = max(c, seq.max_num_computed_tokens)
         end = min(c + n, seq.num_prompt_tokens - 1)
         if first >= end:
             return first, []
-        self._prompt_logprobs_next[seq.seq_id] = end
         return first, seq.token_ids[first + 1:end + 1]
 
-    def _sample(self, batch: SchedulerOutput, step: StepInputs, logits: torch.Tensor,
-                output: RunnerOutput) -> None:
-        if not step.sample_rows:
+    def _sample(self, step: StepInputs, logits: torch.Tensor, output: RunnerOutput) -> None:
+        if step.sample_rows is None or step.sampling is None:
             return
-        rows = torch.tensor([r for _, r in step.sample_rows], device=logits.device)
-        seqs = [batch.seqs[i] for i, _ in step.sample_rows]
-        tokens, logprobs = self.sampler(logits[rows].float(), seqs)
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            output.sampled_token_ids[seq.seq_id] = token
+        tokens, logprobs = sample(logits.index_select(0, step.sample_rows), step.sampling)
+        for seq_id, token, lp in zip(step.sample_ids, tokens, logprobs, strict=True):
+            output.sampled_token_ids[seq_id] = token
             if lp is not None:
-                output.logprobs[seq.seq_id] = lp
+                output.logprobs[seq_id] = lp
 
-    def _prompt_logprobs(self, batch: SchedulerOutput, step: StepInputs, logits: torch.Tensor,
+    def _prompt_logprobs(self, step: StepInputs, logits: torch.Tensor,
                          output: RunnerOutput) -> None:
-        for i, (row, targets) in step.prompt_rows.items():
-            seq = batch.seqs[i]
-            target = torch.tensor(targets, dtype=torch.long, device=logits.device)
-            rows = logits[row:row + len(targets)].float()
-            top_n = seq.params.prompt_logprobs or 0
-            output.prompt_logprobs[seq.seq_id] = compute_prompt_logprobs(rows, target, top_n)
+        for p in step.prompt_rows:
+            assert step.prompt_targets is not None
+            target = step.prompt_targets[p.offset:p.offset + p.count]
+            rows = logits[p.row:p.row + p.count].float()
+            output.prompt_logprobs[p.seq_id] = compute_prompt_logprobs(rows, target, p.top_n)
 
 
 def _usable_cores() -> int:

@@ -60,7 +60,11 @@ class Sequence:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_computed_tokens = 0
+        # The most tokens ever computed: unlike num_computed_tokens it survives preemption, so
+        # the runner reports each prompt position's logprob once across a recompute. Kept by
+        # the num_computed_tokens setter, so every writer maintains it without knowing.
+        self.max_num_computed_tokens = 0
+        self._num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (first admission)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
@@ -68,6 +72,15 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that hit
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, n: int) -> None:
+        self._num_computed_tokens = n
+        self.max_num_computed_tokens = max(self.max_num_computed_tokens, n)
 
     @property
     def num_tokens(self) -> int:

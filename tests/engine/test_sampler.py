@@ -1,29 +1,47 @@
-"""Sampler: each processing step on hand-made tensors, then the batched Sampler end to end."""
+"""Sampler: each processing step on hand-made tensors, then the batched sampler end to end
+(a SamplingBatch built from hand-made sequences, as the runner's prepare step builds it)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection
 
 import pytest
 import torch
 
 from engine.runner_output import TokenLogprobIds
 from engine.sampler import (
-    Sampler,
     apply_min_p,
     apply_penalties,
     apply_top_k,
     apply_top_p,
     compute_prompt_logprobs,
+    sample,
     sample_from_probs,
-    seeded_uniform,
     token_logprobs,
 )
+from engine.sampling_batch import Penalties, SamplingBatchBuilder, build_penalties, seeded_uniform
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 
 V = 64
 INF = float("inf")
+CPU = torch.device("cpu")
+
+SampleFn = Callable[[torch.Tensor, list[Sequence]], tuple[list[int], list]]
+
+
+def make_sampler(vocab_size: int, eos_token_ids: Collection[int] = (),
+                 seed: int | None = None) -> SampleFn:
+    """The runner's two halves in one call: build the batch from the sequences, sample."""
+    builder = SamplingBatchBuilder(vocab_size, eos_token_ids, seed)
+    return lambda logits, seqs: sample(logits, builder.build(seqs, logits.device))
+
+
+def penalties(prompt_ids: list[list[int]], output_ids: list[list[int]], repetition: list[float],
+              presence: list[float], frequency: list[float]) -> Penalties:
+    rows = list(range(len(prompt_ids)))
+    return build_penalties(rows, prompt_ids, output_ids, repetition, presence, frequency, CPU)
 
 
 def make_seq(params: SamplingParams, prompt: list[int] | None = None,
@@ -38,7 +56,7 @@ def random_logits(rows: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def draw_many(sampler: Sampler, logits: torch.Tensor, params: SamplingParams,
+def draw_many(sampler: SampleFn, logits: torch.Tensor, params: SamplingParams,
               n: int = 400) -> list[int]:
     """n draws from one row, batched as n copies of the row (unseeded)."""
     tokens, _ = sampler(logits.expand(n, -1).contiguous(),
@@ -53,20 +71,21 @@ def draw_many(sampler: Sampler, logits: torch.Tensor, params: SamplingParams,
 def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
     logits = torch.tensor([[2.0, -2.0, 4.0, -1.0, 0.0]])
     # tokens 0, 1, 4 in the prompt, token 3 generated three times; 9 is past the head
-    apply_penalties(logits, [[0, 1, 4, 1, 9]], [[3, 3, 3]], [2.0], [0.0], [0.0])
+    apply_penalties(logits, penalties([[0, 1, 4, 1, 9]], [[3, 3, 3]], [2.0], [0.0], [0.0]))
     assert logits.tolist() == [[1.0, -4.0, 4.0, -2.0, 0.0]]
 
 
 def test_presence_and_frequency_cover_output_tokens_only() -> None:
     logits = torch.tensor([[1.0, 1.0, 1.0, -1.0]])
     # prompt-only token 0 is not penalised; outputs: token 1 once, 2 three times, 3 twice
-    apply_penalties(logits, [[0, 0]], [[2, 1, 2, 3, 2, 3]], [1.0], [0.5], [0.25])
+    apply_penalties(logits, penalties([[0, 0]], [[2, 1, 2, 3, 2, 3]], [1.0], [0.5], [0.25]))
     assert logits.tolist() == [[1.0, 1.0 - 0.5 - 0.25, 1.0 - 0.5 - 0.75, -1.0 - 0.5 - 0.5]]
 
 
 def test_penalties_are_per_row_and_keep_minus_inf() -> None:
     logits = torch.tensor([[2.0, -INF], [2.0, 2.0]])
-    apply_penalties(logits, [[], []], [[0, 1], [0]], [2.0, 1.0], [0.0, 1.0], [0.0, 0.0])
+    apply_penalties(logits, penalties([[], []], [[0, 1], [0]], [2.0, 1.0], [0.0, 1.0],
+                                      [0.0, 0.0]))
     assert logits.tolist() == [[1.0, -INF], [1.0, 2.0]]
 
 
@@ -76,24 +95,24 @@ def test_repetition_penalty_matches_hugging_face() -> None:
     logits = random_logits(2, seed=9)
     ids = torch.tensor([[3, 5, 5, 60, 0], [7, 7, 8, 9, 10]])
     expected = RepetitionPenaltyLogitsProcessor(1.3)(ids, logits.clone())
-    ours = apply_penalties(logits.clone(), ids.tolist(), [[], []], [1.3] * 2, [0.0] * 2,
-                           [0.0] * 2)
+    ours = apply_penalties(logits.clone(), penalties(ids.tolist(), [[], []], [1.3] * 2,
+                                                     [0.0] * 2, [0.0] * 2))
     assert torch.equal(ours, expected)
 
 
 def test_top_k_keeps_k_best_per_row() -> None:
     logits = torch.tensor([[1.0, 5.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])
-    apply_top_k(logits, [2, 1])
+    apply_top_k(logits, torch.tensor([2, 1]), 2)
     assert logits.tolist() == [[-INF, 5.0, -INF, 4.0], [4.0, -INF, -INF, -INF]]
 
 
 def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
     probs = torch.tensor([[0.1, 0.5, 0.15, 0.25], [0.1, 0.5, 0.15, 0.25]])
-    apply_top_p(probs, [0.7, 0.75])  # 0.5 + 0.25 = 0.75 reaches both
+    apply_top_p(probs, torch.tensor([0.7, 0.75]))  # 0.5 + 0.25 = 0.75 reaches both
     expected = [[0.0, 0.5, 0.0, 0.25]] * 2
     assert torch.allclose(probs, torch.tensor(expected))
     probs = torch.tensor([[0.1, 0.5, 0.15, 0.25]])
-    apply_top_p(probs, [0.76])
+    apply_top_p(probs, torch.tensor([0.76]))
     assert (probs > 0).tolist() == [[False, True, True, True]]
 
 
@@ -105,7 +124,7 @@ def test_top_p_wide_nucleus_falls_back_to_full_sort() -> None:
     order = expected.argsort(descending=True)
     cum = expected[0, order[0]].cumsum(0)
     keep = order[0][(cum - expected[0, order[0]]) < 0.9]
-    apply_top_p(probs, [0.9])
+    apply_top_p(probs, torch.tensor([0.9]))
     assert set((probs[0] > 0).nonzero().squeeze(1).tolist()) == set(keep.tolist())
     assert 256 < len(keep) < 1000
 
@@ -113,7 +132,7 @@ def test_top_p_wide_nucleus_falls_back_to_full_sort() -> None:
 def test_min_p_drops_below_fraction_of_max() -> None:
     probs = torch.tensor([[0.5, 0.25, 0.1, 0.15], [0.4, 0.4, 0.1, 0.1]])
     before = probs.clone()
-    apply_min_p(probs, [0.5, 0.3])  # thresholds 0.25 (kept: p >= threshold) and 0.12
+    apply_min_p(probs, torch.tensor([0.5, 0.3]))  # thresholds 0.25 (kept: p >= threshold) and 0.12
     keep = torch.tensor([[True, True, False, False], [True, True, False, False]])
     assert torch.equal(probs, torch.where(keep, before, 0.0))
 
@@ -152,13 +171,13 @@ def test_compute_prompt_logprobs_on_hand_made_logits() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# The batched Sampler
+# The batched sampler
 
 
 def test_greedy_is_argmax_and_leaves_logits_untouched() -> None:
     logits = random_logits(8)
     before = logits.clone()
-    tokens, logprobs = Sampler(V)(logits, [make_seq(SamplingParams(temperature=0))] * 8)
+    tokens, logprobs = make_sampler(V)(logits, [make_seq(SamplingParams(temperature=0))] * 8)
     assert tokens == logits.argmax(-1).tolist()
     assert logprobs == [None] * 8 and torch.equal(logits, before)
 
@@ -166,14 +185,14 @@ def test_greedy_is_argmax_and_leaves_logits_untouched() -> None:
 def test_tiny_temperature_is_greedy() -> None:
     logits = random_logits(4, seed=2)
     seqs = [make_seq(SamplingParams(temperature=1e-7), seq_id=str(i)) for i in range(4)]
-    assert Sampler(V, seed=0)(logits, seqs)[0] == logits.argmax(-1).tolist()
+    assert make_sampler(V, seed=0)(logits, seqs)[0] == logits.argmax(-1).tolist()
 
 
 def test_padded_vocab_columns_are_never_sampled() -> None:
     logits = torch.zeros(2, V + 8)
     logits[:, V:] = 100.0  # a padded LM head's extra columns
     greedy, sampled = SamplingParams(temperature=0), SamplingParams()
-    tokens, _ = Sampler(V)(logits, [make_seq(greedy), make_seq(sampled)])
+    tokens, _ = make_sampler(V)(logits, [make_seq(greedy), make_seq(sampled)])
     assert all(t < V for t in tokens)
 
 
@@ -181,12 +200,12 @@ def test_greedy_applies_penalties() -> None:
     logits = torch.zeros(1, V)
     logits[0, 5], logits[0, 6] = 2.0, 1.5
     params = SamplingParams(temperature=0, repetition_penalty=2.0)
-    tokens, _ = Sampler(V)(logits, [make_seq(params, prompt=[5])])
+    tokens, _ = make_sampler(V)(logits, [make_seq(params, prompt=[5])])
     assert tokens == [6]
 
 
 def test_seeded_row_is_independent_of_batch_and_position() -> None:
-    sampler = Sampler(V)
+    sampler = make_sampler(V)
     row = random_logits(1, seed=1, scale=1.0)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
     alone = [sampler(row, [make_seq(params, output=(9,) * step)])[0][0] for step in range(30)]
@@ -203,7 +222,7 @@ def test_seeded_row_is_independent_of_batch_and_position() -> None:
 
 
 def test_different_seeds_differ() -> None:
-    sampler, row = Sampler(V), random_logits(1, seed=3, scale=0.5)
+    sampler, row = make_sampler(V), random_logits(1, seed=3, scale=0.5)
     runs = [[sampler(row, [make_seq(SamplingParams(seed=seed), output=(1,) * step)])[0][0]
              for step in range(20)] for seed in (1, 2)]
     assert runs[0] != runs[1]
@@ -212,7 +231,7 @@ def test_different_seeds_differ() -> None:
 def test_unseeded_sampler_seed_reproduces() -> None:
     logits = random_logits(16, scale=0.5)
     seqs = [make_seq(SamplingParams(), seq_id=str(i)) for i in range(16)]
-    assert Sampler(V, seed=3)(logits, seqs)[0] == Sampler(V, seed=3)(logits, seqs)[0]
+    assert make_sampler(V, seed=3)(logits, seqs)[0] == make_sampler(V, seed=3)(logits, seqs)[0]
 
 
 @pytest.mark.parametrize("params, allowed", [
@@ -225,7 +244,7 @@ def test_truncation_never_samples_outside_allowed_set(params: SamplingParams,
                                                       allowed: set[int]) -> None:
     logits = torch.full((1, V), -3.0)
     logits[0, 10:14] = torch.tensor([3.0, 2.0, 1.0, 0.5])  # p = .58 .21 .08 .05, rest .0014
-    drawn = set(draw_many(Sampler(V, seed=0), logits, params))
+    drawn = set(draw_many(make_sampler(V, seed=0), logits, params))
     assert drawn == allowed
 
 
@@ -233,8 +252,8 @@ def test_temperature_sharpens() -> None:
     logits = torch.zeros(1, V)
     logits[0, 0], logits[0, 1] = 1.0, 0.0
     logits[0, 2:] = -INF
-    hot = draw_many(Sampler(V, seed=1), logits, SamplingParams(temperature=1.0), n=2000)
-    cold = draw_many(Sampler(V, seed=1), logits, SamplingParams(temperature=0.25), n=2000)
+    hot = draw_many(make_sampler(V, seed=1), logits, SamplingParams(temperature=1.0), n=2000)
+    cold = draw_many(make_sampler(V, seed=1), logits, SamplingParams(temperature=0.25), n=2000)
     p_hot, p_cold = 1 / (1 + math.exp(-1)), 1 / (1 + math.exp(-4))  # 0.73, 0.98
     assert hot.count(0) / 2000 == pytest.approx(p_hot, abs=0.04)
     assert cold.count(0) / 2000 == pytest.approx(p_cold, abs=0.02)
@@ -243,18 +262,18 @@ def test_temperature_sharpens() -> None:
 def test_logit_bias_forces_and_bans() -> None:
     logits = random_logits(1, seed=4)
     top = int(logits.argmax())
-    forced = draw_many(Sampler(V, seed=0), logits, SamplingParams(logit_bias={7: 100.0}), 50)
+    forced = draw_many(make_sampler(V, seed=0), logits, SamplingParams(logit_bias={7: 100.0}), 50)
     assert set(forced) == {7}
     banned = SamplingParams(temperature=0, logit_bias={top: -100.0})
-    assert Sampler(V)(logits, [make_seq(banned)])[0][0] != top
-    sampled = draw_many(Sampler(V, seed=0), logits, SamplingParams(logit_bias={top: -100.0}))
+    assert make_sampler(V)(logits, [make_seq(banned)])[0][0] != top
+    sampled = draw_many(make_sampler(V, seed=0), logits, SamplingParams(logit_bias={top: -100.0}))
     assert top not in sampled
 
 
 def test_min_tokens_forbids_eos_and_stop_ids_until_reached() -> None:
     logits = torch.zeros(1, V)
     logits[0, 2], logits[0, 3], logits[0, 4] = 50.0, 40.0, 30.0  # EOS 2, stop id 3
-    sampler = Sampler(V, eos_token_ids=[2])
+    sampler = make_sampler(V, eos_token_ids=[2])
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=(3,))
     assert sampler(logits, [make_seq(params)])[0] == [4]
     assert sampler(logits, [make_seq(params, output=(9,))])[0] == [4]
@@ -272,7 +291,7 @@ def test_sampler_logprobs_are_raw_log_softmax() -> None:
               SamplingParams(temperature=0),
               SamplingParams(temperature=0, logprobs=0, logit_bias={1: 100.0})]
     seqs = [make_seq(p, prompt=[0, 1], seq_id=str(i)) for i, p in enumerate(params)]
-    tokens, found = Sampler(V, seed=0)(logits, seqs)
+    tokens, found = make_sampler(V, seed=0)(logits, seqs)
     expected = logits.log_softmax(-1)
     first = found[0]
     assert first is not None and found[1] is None
