@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -142,32 +143,59 @@ class ModelRunner:
         return blocks
 
     def _profile_free_cuda_memory(self) -> int:
-        """Run the largest step once without a pool; what is left under the limit is for KV."""
+        """Run the largest prefill and the largest decode step once without the pool; what is
+        left under the limit after the bigger of their peaks is for KV."""
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._dummy_forward(self.config.scheduler.max_num_batched_tokens, kv_cache=None)
-        torch.cuda.synchronize(self.device)
-        activations = torch.cuda.max_memory_allocated(self.device) - before
+        peak = max(self._cuda_peak(self._worst_prefill),
+                   self._cuda_peak(self._worst_decode_step))
         # total - free: weights, CUDA context and other processes, all already in use
-        return int(total * self.config.gpu_memory_utilization) - (total - free) - activations
+        return int(total * self.config.gpu_memory_utilization) - (total - free) - (peak - before)
+
+    def _cuda_peak(self, step: Callable[[], None]) -> int:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        step()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _worst_prefill(self) -> None:
+        self._dummy_forward(0, 0, self.config.scheduler.max_num_batched_tokens, kv_cache=None)
+
+    def _worst_decode_step(self, kv_cache: torch.Tensor | None = None) -> None:
+        """max_num_seqs decodes at max_model_len context, the rest of the token budget one
+        prefill: the step whose decode K/V gathers are largest (attention.decode_gather_budget
+        caps each group, so this peak is what a real step can reach). Without a pool, every
+        block table points at block 0 of a one-block scratch pool: sizes matter, not values."""
+        s = self.config.scheduler
+        num_decodes = min(s.max_num_seqs, s.max_num_batched_tokens)
+        pool = kv_cache if kv_cache is not None else self._new_pool(1)
+        self._dummy_forward(num_decodes, self.max_model_len,
+                            s.max_num_batched_tokens - num_decodes, pool)
 
     def _warm_up(self) -> None:
         n = min(self.config.scheduler.max_num_batched_tokens, self.block_size * self.num_kv_blocks,
                 self.max_model_len, 64 if self.device.type == "cpu" else 1 << 30)
-        self._dummy_forward(n, kv_cache=None)
+        self._dummy_forward(0, 0, n, kv_cache=None)
 
     @torch.inference_mode()
-    def _dummy_forward(self, n: int, kv_cache: torch.Tensor | None) -> None:
-        """One c == 0 prefill of n tokens (it reads nothing from the pool and writes nothing)."""
-        meta = build_metadata(kv_cache, self.block_size, list(range(n)), [], [(0, n, 0, [])],
-                              self.device)
-        ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)[None]
-        keep = torch.arange(min(n, self.config.scheduler.max_num_seqs), device=self.device)
-        self.model(input_ids=ids, position_ids=pos, use_cache=False, attn_metadata=meta,
-                   logits_to_keep=keep)
+    def _dummy_forward(self, num_decodes: int, context: int, num_prefill: int,
+                       kv_cache: torch.Tensor | None) -> None:
+        """num_decodes decodes of `context` tokens whose block tables are all block 0, then
+        one c == 0 prefill of num_prefill tokens (it reads nothing from the pool). New K/V go
+        to block 0 (nowhere when kv_cache is None, which allows no decodes)."""
+        bs, dev = self.block_size, self.device
+        table = [0] * -(-context // bs)
+        slots = [(context - 1) % bs] * num_decodes + [p % bs for p in range(num_prefill)]
+        prefills = [(num_decodes, num_prefill, 0, table)] if num_prefill else []
+        meta = build_metadata(kv_cache, bs, slots, [(table, context)] * num_decodes, prefills,
+                              dev)
+        n = num_decodes + num_prefill
+        positions = [context - 1] * num_decodes + list(range(num_prefill))
+        ids = torch.zeros(1, n, dtype=torch.long, device=dev)
+        keep = torch.arange(min(n, self.config.scheduler.max_num_seqs), device=dev)
+        self.model(input_ids=ids, position_ids=to_device([positions], torch.long, dev),
+                   use_cache=False, attn_metadata=meta, logits_to_keep=keep)
 
     # ------------------------------------------------------------------ one step
 

@@ -98,6 +98,29 @@ def test_prompt_logprobs_not_repeated_after_recompute(llama_runner: ModelRunner)
     assert not hasattr(llama_runner, "release")
 
 
+def test_worst_decode_step_runs_grouped(llama_runner: ModelRunner,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step CUDA profiling sizes the pool by: max_num_seqs decodes at max_model_len (8 x
+    256 here) plus a prefill; on a one-block scratch pool and on the real one. A budget of one
+    sequence's K/V forces a group per decode."""
+    from engine import attention
+
+    groups: list[int] = []
+    build = attention.build_metadata
+
+    def spy(*args: object, **kwargs: object) -> attention.AttentionMetadata:
+        meta = build(*args, **kwargs)  # type: ignore[arg-type]
+        groups.append(len(meta.decode_groups))
+        return meta
+
+    monkeypatch.setattr("engine.model_runner.build_metadata", spy)
+    one_seq = 2 * 2 * 256 * 16 * 4  # K + V, kvH, tokens, hd, fp32
+    monkeypatch.setitem(attention.DECODE_GATHER_BYTES, "cpu", one_seq)
+    llama_runner._worst_decode_step()
+    llama_runner._worst_decode_step(llama_runner.kv_cache)
+    assert groups == [8, 8]
+
+
 def test_runner_facts_and_kv_pool(llama_runner: ModelRunner) -> None:
     r = llama_runner
     assert r.num_kv_blocks == 128 and r.block_size == 4

@@ -1,15 +1,18 @@
 """CUDA checks (skipped without a GPU; CI has none): the same engine on the GPU, greedy tokens
 against HF generate() on the same device, in float32 (top-2 tolerance: GPU kernels pick
-different but equally valid reduction orders for a packed batch) and a bfloat16 smoke run."""
+different but equally valid reduction orders for a packed batch), a bfloat16 smoke run, and
+the KV pool sizing against the worst decode step."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine import attention
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
+from engine.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 
@@ -55,3 +58,25 @@ def test_bfloat16_runs_and_frees_blocks() -> None:
     engine, ours, _ = run_engine("bfloat16", 32)
     assert engine.runner.dtype == torch.bfloat16
     assert all(len(v) > 0 for v in ours.values())
+
+
+def test_sized_pool_leaves_room_for_the_worst_decode_step() -> None:
+    """The pool sized from gpu_memory_utilization leaves the memory of the step with the
+    largest decode gathers: max_num_seqs decodes at max_model_len (256 x 8192 of SmolLM2:
+    1.5 GiB of K + V per layer unless grouped), here run on the real pool."""
+    util = 0.5
+    sched = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=512, max_model_len=8192)
+    runner = ModelRunner(EngineConfig(model=None, dtype="bfloat16", device="cuda",
+                                      gpu_memory_utilization=util, scheduler=sched))
+    runner.load()
+    dev, f = runner.device, runner.facts
+    assert runner.max_model_len == 8192
+    ungrouped = 256 * 8192 * 2 * f.num_kv_heads * f.head_dim * 2  # tokens * K/V * kvH * hd * bf16
+    assert ungrouped > 4 * attention.decode_gather_budget(dev)  # grouping is what keeps it in
+    _, total = torch.cuda.mem_get_info(dev)
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    runner._worst_decode_step(runner.kv_cache)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev)
+    assert peak <= total * util, (peak, total * util, runner.num_kv_blocks)
