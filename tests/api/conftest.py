@@ -3,9 +3,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from apitools import serve
-from fake_engine import FakeEngine
 from starlette.testclient import TestClient
+
+from tests.support.apitools import serve
+from tests.support.fake_engine import FakeEngine
 
 
 @pytest.fixture

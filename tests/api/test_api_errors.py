@@ -6,29 +6,17 @@ import json
 from typing import Any
 
 import pytest
-from apitools import serve, sse_events
-
-from api.errors import UNKNOWN_RETRY_S
-from fake_engine import FakeEngine
 from starlette.testclient import TestClient
 
+from api.errors import UNKNOWN_RETRY_S
 from engine.protocol import EngineDeadError, PromptTooLongError, QueueFullError
+from tests.support.apitools import serve, sse_events
+from tests.support.errors import assert_error
+from tests.support.fake_engine import FakeEngine
 
 MSG = [{"role": "user", "content": "hi"}]
 
 
-def assert_error(r: Any, status: int, param: str | None = None,
-                 code: str | None = None) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and isinstance(error["type"], str)
-    assert error["code"] is None or isinstance(error["code"], str)
-    if param is not None:
-        assert error["param"] == param, error
-    if code is not None:
-        assert error["code"] == code, error
-    return error
 
 
 BAD_COMPLETIONS = [

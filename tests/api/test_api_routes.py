@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from apitools import serve
-from fake_engine import BOS, FakeEngine, tok
 from starlette.testclient import TestClient
 
 from api.app import create_app
+from tests.support.apitools import serve
+from tests.support.fake_engine import BOS, FakeEngine, tok
 
 
 def test_models(engine: FakeEngine, client: TestClient) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from apitools import sse_json
-from fake_engine import FakeEngine
 from starlette.testclient import TestClient
+
+from tests.support.apitools import sse_json
+from tests.support.fake_engine import FakeEngine
 
 USER = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
-from apitools import serve, sse_events, sse_json
-from fake_engine import BOS, FakeEngine, tok
 from starlette.testclient import TestClient
+
+from tests.support.apitools import serve, sse_events, sse_json
+from tests.support.fake_engine import BOS, FakeEngine, tok
 
 
 def test_plain_completion_shape(client: TestClient) -> None:

@@ -8,10 +8,10 @@ import json
 from typing import Any
 
 import pytest
-from fake_engine import FakeEngine
 from starlette.applications import Starlette
 
 from api.app import create_app
+from tests.support.fake_engine import FakeEngine
 
 
 async def call(engine: FakeEngine, path: str, body: dict[str, Any], hang_up: float,

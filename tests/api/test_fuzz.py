@@ -13,12 +13,13 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from apitools import serve, sse_events
-from fake_engine import OFFSET, FakeEngine
 from hypothesis import HealthCheck, given, settings
 from starlette.testclient import TestClient
 
 from tests.api.schemafuzz import bodies, encoded, error_param_root, plausible, request_schema
+from tests.support.apitools import serve, sse_events
+from tests.support.errors import check_error_body
+from tests.support.fake_engine import OFFSET, FakeEngine
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
 EXAMPLES = 200  # per route: ~2 s each on 2 cores
@@ -34,7 +35,7 @@ def check_response(r: Any, schema: dict[str, Any]) -> None:
     assert r.status_code < 500, (r.status_code, r.text[:500])
     if r.status_code >= 400:
         assert r.status_code in (400, 404, 413), r.text
-        error = check_error(r.json())
+        error = check_error_body(r.json())
         if error["param"] is not None:
             assert error_param_root(error["param"]) in schema["properties"], error
         return
@@ -48,15 +49,6 @@ def check_response(r: Any, schema: dict[str, Any]) -> None:
         assert isinstance(r.json(), dict)
 
 
-def check_error(body: Any) -> dict[str, Any]:
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"], error
-    assert isinstance(error["type"], str), error
-    assert error["param"] is None or isinstance(error["param"], str), error
-    assert error["code"] is None or isinstance(error["code"], str), error
-    return error  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from apitools import serve
-from fake_engine import FakeEngine
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
@@ -19,6 +17,9 @@ from api import app as app_module
 from api.protocol_completion import MAX_CHOICES, MAX_PROMPTS
 from api.sampling import MAX_LOGPROBS, MAX_N
 from api.state import DEFAULT_MAX_BODY_BYTES
+from tests.support.apitools import serve
+from tests.support.errors import assert_error
+from tests.support.fake_engine import FakeEngine
 
 MSG = [{"role": "user", "content": "hi"}]
 POST_ROUTES: dict[str, dict[str, Any]] = {
@@ -28,18 +29,6 @@ POST_ROUTES: dict[str, dict[str, Any]] = {
 }
 
 
-def error_of(r: Any, status: int, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error body of `r`, checked for shape, status and (when given) param."""
-    assert r.status_code == status, (r.status_code, r.text[:300])
-    body = r.json()
-    assert set(body) == {"error"}
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"]
-    assert error["code"] is None or isinstance(error["code"], str)
-    if param is not None:
-        assert error["param"] == param, error
-    return error  # type: ignore[no-any-return]
 
 
 # ------------------------------------------------------------------------- body size
@@ -49,21 +38,21 @@ def error_of(r: Any, status: int, param: str | None = None) -> dict[str, Any]:
 def test_body_over_limit_is_413_declared_or_chunked(path: str) -> None:
     with serve(FakeEngine(), max_body_bytes=1000) as client:
         big = json.dumps({**POST_ROUTES[path], "pad": "x" * 1000}).encode()
-        error = error_of(client.post(path, content=big), 413)
+        error = assert_error(client.post(path, content=big), 413)
         assert error["code"] == "request_too_large" and "1000 bytes" in error["message"]
 
         def chunks() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
             for i in range(0, len(big), 100):
                 yield big[i:i + 100]
 
-        error_of(client.post(path, content=chunks()), 413)
+        assert_error(client.post(path, content=chunks()), 413)
         assert client.post(path, json=POST_ROUTES[path]).status_code == 200
 
 
 def test_default_body_limit() -> None:
     with serve(FakeEngine()) as client:
         body = b'{"prompt": "a", "pad": "' + b"x" * DEFAULT_MAX_BODY_BYTES + b'"}'
-        error_of(client.post("/v1/completions", content=body), 413)
+        assert_error(client.post("/v1/completions", content=body), 413)
 
 
 def test_lying_content_length_is_not_trusted() -> None:
@@ -72,7 +61,7 @@ def test_lying_content_length_is_not_trusted() -> None:
         body = json.dumps({"prompt": "a" * 500}).encode()
         r = client.post("/v1/completions", content=iter([body]),
                         headers={"content-type": "application/json"})
-        error_of(r, 413)
+        assert_error(r, 413)
 
 
 # ------------------------------------------------------------------- context length
@@ -91,7 +80,7 @@ def test_lying_content_length_is_not_trusted() -> None:
 ])
 def test_context_length_names_the_limit(client: TestClient, path: str, body: dict[str, Any],
                                         param: str) -> None:
-    error = error_of(client.post(path, json=body), 400, param)
+    error = assert_error(client.post(path, json=body), 400, param)
     assert error["code"] == "context_length_exceeded"
     assert "maximum context length is 128 tokens" in error["message"], error
 
@@ -113,7 +102,7 @@ def test_n_bounds(client: TestClient) -> None:
     for path, base in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions",
                                                                 {"messages": MSG})):
         for n in (0, -1, MAX_N + 1, 2**70, 1.0, "2", True):
-            error_of(client.post(path, json={**base, "n": n}), 400, "n")
+            assert_error(client.post(path, json={**base, "n": n}), 400, "n")
 
 
 def test_logprobs_bounds(client: TestClient) -> None:
@@ -121,20 +110,20 @@ def test_logprobs_bounds(client: TestClient) -> None:
                                               "logprobs": MAX_LOGPROBS})
     assert ok.status_code == 200, ok.text
     for value in (-1, MAX_LOGPROBS + 1, 2**70, 1.5, "1", True):
-        error_of(client.post("/v1/completions", json={"prompt": "a", "logprobs": value}),
+        assert_error(client.post("/v1/completions", json={"prompt": "a", "logprobs": value}),
                  400, "logprobs")
     chat = {"messages": MSG, "max_tokens": 1, "logprobs": True}
     assert client.post("/v1/chat/completions",
                        json={**chat, "top_logprobs": MAX_LOGPROBS}).status_code == 200
     for value in (-1, MAX_LOGPROBS + 1, 2**70, 1.5, "1", True):
-        error_of(client.post("/v1/chat/completions", json={**chat, "top_logprobs": value}),
+        assert_error(client.post("/v1/chat/completions", json={**chat, "top_logprobs": value}),
                  400, "top_logprobs")
 
 
 @pytest.mark.parametrize("prompt", [["a"] * (MAX_PROMPTS + 1), [[70]] * (MAX_PROMPTS + 1)])
 def test_prompt_list_is_capped(client: TestClient, engine: FakeEngine,
                                prompt: list[Any]) -> None:
-    error = error_of(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}),
+    error = assert_error(client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}),
                      400, "prompt")
     assert str(MAX_PROMPTS) in error["message"]
     assert not engine.submitted  # refused before anything reached the engine
@@ -146,7 +135,7 @@ def test_prompt_list_at_the_cap_and_choices_cap(client: TestClient) -> None:
     # A long token-id prompt is one prompt, not a list of prompts.
     assert client.post("/v1/completions", json={"prompt": [70] * 120, "max_tokens": 1}
                        ).status_code == 200
-    error_of(client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": MAX_N}),
+    assert_error(client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": MAX_N}),
              400, "n")
     assert 3 * MAX_N > MAX_CHOICES
 
@@ -168,7 +157,7 @@ def test_prompt_list_at_the_cap_and_choices_cap(client: TestClient) -> None:
 ])
 @pytest.mark.parametrize("path", list(POST_ROUTES))
 def test_unreadable_bodies_are_400(client: TestClient, path: str, raw: bytes) -> None:
-    error_of(client.post(path, content=raw), 400)
+    assert_error(client.post(path, content=raw), 400)
 
 
 def test_utf8_bom_is_tolerated(client: TestClient) -> None:
@@ -180,10 +169,10 @@ def test_lone_surrogate_in_an_echoed_value_is_400_not_500(client: TestClient) ->
     """Error messages quote the client's text; a lone surrogate in it must not break the
     error response itself (it did: UnicodeEncodeError -> 500)."""
     r = client.post("/v1/completions", content=b'{"prompt": "a", "model": "\\ud800"}')
-    error = error_of(r, 404, "model")
+    error = assert_error(r, 404, "model")
     assert "\ud800" in error["message"]  # escaped on the wire, the same text once parsed
     r = client.post("/tokenize", content=b'{"model": "\\udfff", "prompt": "a"}')
-    error_of(r, 404, "model")
+    assert_error(r, 404, "model")
 
 
 INT_FIELDS = ["max_tokens", "n", "seed", "logprobs", "top_k", "min_tokens", "priority",
@@ -199,20 +188,20 @@ def test_integer_fields_refuse_wrong_types_and_huge_values(client: TestClient,
                                                            field: str) -> None:
     for value in [*WRONG, *HUGE]:
         r = client.post("/v1/completions", json={"prompt": "a", field: value})
-        error_of(r, 400, field)
+        assert_error(r, 400, field)
     raw = b'{"prompt": "a", "' + field.encode() + b'": 1e400}'
-    error_of(client.post("/v1/completions", content=raw), 400, field)
+    assert_error(client.post("/v1/completions", content=raw), 400, field)
 
 
 @pytest.mark.parametrize("field", FLOAT_FIELDS)
 def test_number_fields_refuse_wrong_types_and_huge_values(client: TestClient,
                                                           field: str) -> None:
     for value in ["1", [1], {"a": 1}, True, 10**400, -(10**400)]:  # 10**400: not a float
-        error_of(client.post("/v1/completions", json={"prompt": "a", field: value}),
+        assert_error(client.post("/v1/completions", json={"prompt": "a", field: value}),
                  400, field)
     for raw_value in (b"1e400", b"-1e400", b"NaN", b"Infinity"):
         raw = b'{"prompt": "a", "' + field.encode() + b'": ' + raw_value + b"}"
-        error_of(client.post("/v1/completions", content=raw), 400)
+        assert_error(client.post("/v1/completions", content=raw), 400)
 
 
 @pytest.mark.parametrize("bias", [
@@ -220,13 +209,13 @@ def test_number_fields_refuse_wrong_types_and_huge_values(client: TestClient,
     {"70": 2**70}, {"70": "1"}, {"70": [1]}, {"70": True}, {"70": 101},
 ])
 def test_logit_bias_keys_and_values(client: TestClient, bias: dict[str, Any]) -> None:
-    error_of(client.post("/v1/completions", json={"prompt": "a", "logit_bias": bias}), 400,
+    assert_error(client.post("/v1/completions", json={"prompt": "a", "logit_bias": bias}), 400,
              "logit_bias")
 
 
 def test_logit_bias_huge_float_value(client: TestClient) -> None:
     raw = b'{"prompt": "a", "logit_bias": {"70": 1e400}}'
-    error_of(client.post("/v1/completions", content=raw), 400, "logit_bias")
+    assert_error(client.post("/v1/completions", content=raw), 400, "logit_bias")
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -250,7 +239,7 @@ def test_completion_shapes(client: TestClient, body: dict[str, Any], param: str 
     if param is None:
         assert r.status_code == 200, r.text
     else:
-        error_of(r, 400, param)
+        assert_error(r, 400, param)
 
 
 def test_empty_prompt_after_tokenization_is_400() -> None:
@@ -259,7 +248,7 @@ def test_empty_prompt_after_tokenization_is_400() -> None:
             return self.encode(text, add_special_tokens=False)
 
     with serve(NoBos()) as client:
-        error_of(client.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
+        assert_error(client.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
 
 
 @pytest.mark.parametrize(("messages", "param"), [
@@ -277,7 +266,7 @@ def test_empty_prompt_after_tokenization_is_400() -> None:
     ([*MSG, "x"], "messages[1]"),
 ])
 def test_chat_message_shapes(client: TestClient, messages: Any, param: str) -> None:
-    error_of(client.post("/v1/chat/completions", json={"messages": messages}), 400, param)
+    assert_error(client.post("/v1/chat/completions", json={"messages": messages}), 400, param)
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -289,13 +278,13 @@ def test_chat_message_shapes(client: TestClient, messages: Any, param: str) -> N
     ({"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
 ])
 def test_tokenize_shapes(client: TestClient, body: dict[str, Any], param: str) -> None:
-    error_of(client.post("/tokenize", json=body), 400, param)
+    assert_error(client.post("/tokenize", json=body), 400, param)
 
 
 @pytest.mark.parametrize("tokens", [None, "70", [70, "71"], [-1], [2**70], [70.0], [[70]],
                                     [True]])
 def test_detokenize_shapes(client: TestClient, tokens: Any) -> None:
-    error_of(client.post("/detokenize", json={"tokens": tokens}), 400, "tokens")
+    assert_error(client.post("/detokenize", json={"tokens": tokens}), 400, "tokens")
 
 
 # ---------------------------------------------------------------------------- API key
@@ -332,9 +321,9 @@ def test_api_key_guards_every_route_but_the_open_ones(headers: dict[str, str]) -
             if route.path in OPEN_PATHS:
                 assert r.status_code == 200, (route.path, r.text)
             else:
-                error = error_of(r, 401)
+                error = assert_error(r, 401)
                 assert error["code"] == "invalid_api_key", route.path
-        error_of(client.get("/v1/no-such-route", headers=headers), 401)
+        assert_error(client.get("/v1/no-such-route", headers=headers), 401)
 
 
 def test_api_key_accepted_on_every_route() -> None:
@@ -358,7 +347,7 @@ def test_api_key_comparison_is_constant_time(monkeypatch: pytest.MonkeyPatch) ->
     with serve(FakeEngine(), api_key=KEY) as client:
         assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}
                           ).status_code == 200
-        error_of(client.get("/v1/models", headers={"Authorization": "Bearer no"}), 401)
+        assert_error(client.get("/v1/models", headers={"Authorization": "Bearer no"}), 401)
     assert calls == [(f"Bearer {KEY}".encode(), f"Bearer {KEY}".encode()),
                      (b"Bearer no", f"Bearer {KEY}".encode())]
 
@@ -371,7 +360,9 @@ def test_without_api_key_everything_is_open() -> None:
 
 def test_prompt_text_too_long_to_fit_is_refused_before_tokenizing() -> None:
     class Counting(FakeEngine):
-        tokenized: list[int] = []
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokenized: list[int] = []
 
         async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
             self.tokenized.append(len(text))
@@ -384,9 +375,9 @@ def test_prompt_text_too_long_to_fit_is_refused_before_tokenizing() -> None:
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "é" * 300}]},
                  "messages")):
             r = client.post(path, json=body)
-            assert error_of(r, 400, param)["code"] == "context_length_exceeded"
+            assert assert_error(r, 400, param)["code"] == "context_length_exceeded"
         assert engine.tokenized == []  # neither text reached the tokenizer
         # Under the bound, the text is tokenized and the usual context check answers.
         r = client.post("/v1/completions", json={"prompt": "x" * 512})
-        assert error_of(r, 400, "prompt")["code"] == "context_length_exceeded"
+        assert assert_error(r, 400, "prompt")["code"] == "context_length_exceeded"
         assert engine.tokenized == [512]

@@ -10,10 +10,10 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from fake_engine import FakeEngine
 from starlette.testclient import TestClient
 
 from api.app import create_app
+from tests.support.fake_engine import FakeEngine
 
 MSG = [{"role": "user", "content": "hi"}]
 

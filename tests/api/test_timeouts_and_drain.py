@@ -10,21 +10,17 @@ import time
 from typing import Any
 
 import pytest
-from apitools import serve, sse_json
-from fake_engine import FakeEngine
 from starlette.testclient import TestClient
 
 from api.app import create_app
 from api.state import AppState
+from tests.support.apitools import serve, sse_json
+from tests.support.errors import assert_error
+from tests.support.fake_engine import FakeEngine
 
 PROMPT = {"prompt": "hello world", "max_tokens": 5}
 
 
-def assert_error(r: Any, status: int, code: str) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
-    return err
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", '"5"', "true", "[1]", "1e400"])
@@ -63,7 +59,7 @@ def test_queue_timeout_is_503_or_an_error_event() -> None:
     engine = FakeEngine(token_delay=0.3)  # the first token comes after the deadline
     with serve(engine) as client:
         r = client.post("/v1/completions", json={**PROMPT, "timeout": 0.05})
-        err = assert_error(r, 503, "queue_timeout")
+        err = assert_error(r, 503, code="queue_timeout")
         assert "queue" in err["message"]
         r = client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "timeout": 0.05, "stream": True})
@@ -97,8 +93,8 @@ def test_draining_refuses_new_requests_with_503() -> None:
         for path, body in [("/v1/completions", PROMPT),
                            ("/v1/chat/completions",
                             {"messages": [{"role": "user", "content": "hi"}]})]:
-            assert_error(client.post(path, json=body), 503, "server_shutting_down")
-        assert_error(client.get("/health"), 503, "server_shutting_down")
+            assert_error(client.post(path, json=body), 503, code="server_shutting_down")
+        assert_error(client.get("/health"), 503, code="server_shutting_down")
         assert 'admission_rejections_total{reason="shutting_down"} 2.0' in \
             client.get("/metrics").text
         assert engine.submitted == []

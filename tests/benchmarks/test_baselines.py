@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import importlib
 import json
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,12 +17,11 @@ import pytest
 from starlette.applications import Starlette
 
 # benchmarks/ is not an installed package (pyproject installs engine, api, scheduler only).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.baselines import naive, request_batching
 from benchmarks.baselines.generation import LoadedModel, Row, deliver, load_model
 from benchmarks.baselines.protocol import CompletionRequest, IncrementalDecoder, _Meta, _stream
 from benchmarks.baselines.registry import SERVERS
-from tests.engine.conftest import build_checkpoint
+from tests.support.models import build_checkpoint
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "0123", "Paged attention keeps the KV"]
 MAX_TOKENS = [7, 3, 12, 5]

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 # benchmarks/ is not an installed package (pyproject installs engine, api, scheduler only).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import benchmarks.bench_scheduler as bench
 from benchmarks.bench_scheduler import bench_engine, bench_model, bench_scheduler
 

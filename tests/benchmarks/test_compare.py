@@ -12,15 +12,12 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_sse_server import CharTokenizer
-
 from benchmarks import compare
 from benchmarks.common import machine_slug
 from benchmarks.compare import OURS, Plan, checks, parse_args, ratios_by_load
+from tests.support.fake_sse_server import CharTokenizer
 
-FAKE_SERVER = Path(__file__).resolve().parent / "fake_sse_server.py"  # run as a subprocess
+FAKE_SERVER = Path(__file__).resolve().parents[1] / "support" / "fake_sse_server.py"  # run as a subprocess
 TINY = Plan(concurrencies=(2, 16), rate_fractions=(0.8,), input_range=(4, 8), output_range=(4, 6),
             prompts_per_slot=1, min_prompts=4, max_prompts=16, poisson_prompts=8, num_warmups=1)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +9,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # benchmarks/ is not an installed package (pyproject installs engine, api, scheduler only).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.hf_baseline import run_one_at_a_time, run_static_batches
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18], [19, 20]]

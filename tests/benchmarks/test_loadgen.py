@@ -7,7 +7,6 @@ import asyncio
 import itertools
 import json
 import math
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,11 +14,6 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-
-# benchmarks/ is not an installed package (pyproject installs engine, api, scheduler only).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fake_sse_server import CharTokenizer, FakeSSE, app
 
 from benchmarks import loadgen
 from benchmarks.common import free_port
@@ -38,6 +32,9 @@ from benchmarks.serving_load import (
     parse_goodput,
     run_load,
 )
+
+# benchmarks/ is not an installed package (pyproject installs engine, api, scheduler only).
+from tests.support.fake_sse_server import CharTokenizer, FakeSSE, app
 
 TOKEN_DELAY = 0.01  # seconds between the fake server's tokens
 

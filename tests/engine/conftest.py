@@ -1,76 +1,16 @@
-"""Fixtures for engine tests: tiny random Llama / Qwen2 checkpoints saved to disk (so the real
-loading code runs), the real SmolLM2 (slow), and a small driver that plays the scheduler."""
+"""Fixtures for engine tests: the tiny checkpoints and runners of tests/support/models.py,
+and the real SmolLM2 (slow)."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
-from scheduler.output import SchedulerOutput
-from scheduler.sampling_params import SamplingParams
-from scheduler.sequence import Sequence
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello tokens!",
-          "Paged attention keeps the KV cache in blocks.", "0123456789 + - * / = ( )"] * 20
-
-
-def build_tokenizer(folder: Path) -> None:
-    """A byte-level BPE of ~300 tokens trained in milliseconds, saved as an HF tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
-                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
-    fast.chat_template = CHATML
-    fast.save_pretrained(folder)
-
-
-def build_checkpoint(folder: Path, arch: str) -> Path:
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    build_tokenizer(folder)
-    vocab = len(AutoTokenizer.from_pretrained(folder))
-    common = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1,
-              "pad_token_id": 1}
-    torch.manual_seed(0)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
-    else:  # qwen3: q/k norms and an explicit head_dim (32 != hidden / heads)
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
-    # Larger-than-default weights spread the logits, so greedy ties (fp noise flips) are rare.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(folder)
-    return folder
+from tests.support.models import build_checkpoint, loaded_runner, tiny_config
 
 
 @pytest.fixture(scope="session")
@@ -81,21 +21,6 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
-
-
-def tiny_config(model: Path | str | None, **engine: object) -> EngineConfig:
-    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                            block_size=4)
-    opts: dict[str, object] = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 128}
-    opts.update(engine)
-    return EngineConfig(model=None if model is None else str(model), scheduler=sched,
-                        **opts)  # type: ignore[arg-type]
-
-
-def loaded_runner(config: EngineConfig) -> ModelRunner:
-    runner = ModelRunner(config)
-    runner.load()
-    return runner
 
 
 @pytest.fixture(scope="session")
@@ -126,48 +51,3 @@ def smollm2_runner() -> ModelRunner:
     return loaded_runner(EngineConfig(model=None, dtype="float32", device="cpu",
                                       num_kv_blocks=256, scheduler=sched))
 
-
-# ----------------------------------------------------------------------------- driver
-
-
-class BlockAllocator:
-    """Hands out pool blocks in a shuffled order, so block tables are never contiguous."""
-
-    def __init__(self, num_blocks: int, seed: int = 0) -> None:
-        self.free = list(range(num_blocks))
-        random.Random(seed).shuffle(self.free)
-
-    def cover(self, seq: Sequence, num_tokens: int, block_size: int) -> None:
-        while len(seq.block_table) * block_size < num_tokens:
-            seq.block_table.append(self.free.pop())
-
-
-def greedy_seq(seq_id: str, prompt: list[int], max_tokens: int, **params: object) -> Sequence:
-    return Sequence(seq_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                   ignore_eos=True, **params))  # type: ignore[arg-type]
-
-
-def drive(runner: ModelRunner, seqs: list[Sequence], chunk: int,
-          start_step: list[int] | None = None,
-          on_output: Callable[[SchedulerOutput, object], None] | None = None) -> None:
-    """Play the scheduler: each step gives every admitted, unfinished sequence min(chunk,
-    missing) tokens, then appends the sampled tokens, until every sequence has max_tokens."""
-    alloc = BlockAllocator(runner.num_kv_blocks)
-    starts = start_step or [0] * len(seqs)
-    step = 0
-    while any(s.num_output_tokens < s.params.max_tokens for s in seqs):
-        batch = SchedulerOutput()
-        for seq, first in zip(seqs, starts, strict=True):
-            if first <= step and seq.num_output_tokens < seq.params.max_tokens:
-                n = min(chunk, seq.num_uncomputed_tokens)
-                alloc.cover(seq, seq.num_computed_tokens + n, runner.block_size)
-                batch.seqs.append(seq)
-                batch.num_scheduled_tokens.append(n)
-        out = runner.execute(batch)
-        if on_output is not None:
-            on_output(batch, out)
-        for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
-            seq.num_computed_tokens += n
-            if seq.seq_id in out.sampled_token_ids:
-                seq.append_token(out.sampled_token_ids[seq.seq_id])
-        step += 1

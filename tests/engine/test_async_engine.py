@@ -12,7 +12,6 @@ from collections.abc import Awaitable
 from typing import Any
 
 import pytest
-from faults import FaultyRunner
 
 import engine.async_engine as async_engine_mod
 from engine.async_engine import AsyncEngine
@@ -23,6 +22,7 @@ from engine.outputs import ErrorCode, RequestOutput
 from engine.protocol import EngineDeadError, PromptTooLongError, QueueFullError, RequestStream
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
+from tests.support.faults import FaultyRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -4,13 +4,12 @@ deadline fails with error_code "queue_timeout"; a running one finishes with what
 
 from __future__ import annotations
 
-from faults import FaultyRunner
-from test_llm_engine import drain, make
-
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, RequestOutput
 from scheduler.sampling_params import SamplingParams
+from tests.engine.test_llm_engine import drain, make
+from tests.support.faults import FaultyRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -37,9 +37,15 @@ LONG = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 def real_engine(runner: ModelRunner) -> AsyncEngine:
     sc = SchedulerConfig(block_size=runner.block_size, max_model_len=MAX_MODEL_LEN)
     cfg = EngineConfig(model=None, dtype="float32", device="cpu", scheduler=sc)
-    eng = AsyncEngine(cfg, LLMEngine(cfg, runner=runner))
-    threading.Thread(target=eng.run_step_loop, daemon=True).start()
-    return eng
+    return AsyncEngine(cfg, LLMEngine(cfg, runner=runner))
+
+
+async def start(engine: EngineClient) -> None:
+    """The real engine's step loop runs on a thread the caller gives it (as the CLI's main
+    thread); start() then waits for the load."""
+    if isinstance(engine, AsyncEngine):
+        threading.Thread(target=engine.run_step_loop, daemon=True).start()
+    await engine.start()
 
 
 @pytest.fixture(params=["fake", "real"])
@@ -55,7 +61,7 @@ def run(make_engine: Callable[[], EngineClient],
     """Start an engine, run `body` against it, shut it down; bounded in time."""
     async def main() -> None:
         engine = make_engine()
-        await engine.start()
+        await start(engine)
         try:
             await body(engine)
         finally:
@@ -83,7 +89,7 @@ def test_limits_and_readiness_follow_start_and_shutdown(
         assert engine.limits is None and not engine.is_ready()
         with pytest.raises(EngineDeadError):
             await engine.submit("early", PROMPT, GREEDY)
-        await engine.start()
+        await start(engine)
         assert engine.is_ready()
         assert engine.limits is not None and engine.limits.max_model_len == MAX_MODEL_LEN
         await engine.shutdown()
@@ -147,7 +153,7 @@ def test_shutdown_ends_open_streams_with_engine_dead(
         make_engine: Callable[[], EngineClient]) -> None:
     async def main() -> None:
         engine = make_engine()
-        await engine.start()
+        await start(engine)
         stream = await engine.submit("open", PROMPT, LONG)
 
         async def drain(s: AsyncIterator[RequestOutput]) -> None:

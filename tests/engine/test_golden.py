@@ -31,8 +31,8 @@ TEXTS = [
     "A haiku about autumn leaves:\n",
     "The quick brown fox",
     "Q: What is 12 times 12?\nA:",
-    "Machine learning is a field of computer science that gives computers the ability to learn "
-    "without being explicitly programmed. It is closely related to statistics and",
+    ("Machine learning is a field of computer science that gives computers the ability to learn "
+     "without being explicitly programmed. It is closely related to statistics and"),
 ]
 SHARED_PREFIX = (
     "You are a careful assistant. Answer briefly and precisely, in one sentence, without any "

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from faults import FaultyRunner
 
 from engine.config import EngineConfig
 from engine.llm import Completion
@@ -20,6 +19,7 @@ from engine.outputs import ErrorCode, RequestOutput
 from engine.protocol import EngineLimits, PromptTooLongError
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
+from tests.support.faults import FaultyRunner
 
 
 def make(runner: ModelRunner, num_kv_blocks: int | None = None, **sched: object) -> LLMEngine:

@@ -1,6 +1,6 @@
 """Worst days on the real stack (uvicorn + api/ + AsyncEngine + a tiny model on 127.0.0.1):
 a model step that raises, an engine that dies or hangs, and a graceful shutdown (SIGTERM)
-with requests still running. Faults come from tests/engine/faults.py, which exists only here."""
+with requests still running. Faults come from tests/support/faults.py, which exists only here."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 import pytest
-from livetools import live_server
 
 import engine.async_engine as async_engine_mod
 from engine.model_runner import ModelRunner
+from tests.support.livetools import live_server
 
 REPO = Path(__file__).resolve().parents[2]
 LONG = {"prompt": [3, 4, 5, 6], "max_tokens": 100, "ignore_eos": True, "temperature": 0}

@@ -3,8 +3,8 @@ Concurrent streams all finish, a client that hangs up frees its KV blocks, /metr
 
 from __future__ import annotations
 
+import itertools
 import json
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from livetools import live_server
 
 from engine.async_engine import AsyncEngine
 from engine.model_runner import ModelRunner
+from tests.support.faults import FaultyRunner
+from tests.support.livetools import live_server
 
 
 @pytest.fixture
@@ -88,24 +89,12 @@ def test_concurrent_streams_more_than_max_num_seqs(live: tuple[str, AsyncEngine]
     assert "pagedserve:generation_tokens_total" in metrics
 
 
-class SlowRunner:
-    """A real runner whose steps take at least `delay` s, so 100 tokens outlast the test."""
-
-    def __init__(self, runner: ModelRunner, delay: float) -> None:
-        self.runner, self.delay = runner, delay
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(self.runner, name)
-
-    def execute(self, batch):  # noqa: ANN001, ANN201
-        time.sleep(self.delay)
-        return self.runner.execute(batch)
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_hang_up_frees_kv_blocks(live: tuple[str, AsyncEngine], stream: bool) -> None:
     url, engine = live
-    engine.engine.runner = SlowRunner(engine.engine.runner, 0.05)  # type: ignore[assignment]
+    faulty = engine.engine.runner
+    assert isinstance(faulty, FaultyRunner)
+    faulty.delay = 0.05  # each step: so 100 tokens outlast the test
     body = {"model": "tiny", "prompt": "a b c d e f", "max_tokens": 100, "n": 2,
             "ignore_eos": True, "stream": stream}
     if stream:
@@ -173,9 +162,9 @@ def test_a_4mb_prompt_does_not_stall_other_streams(llama_runner: ModelRunner) ->
                         arrivals.append(time.monotonic())
             side.result(60)  # re-raises what failed there
     assert len(arrivals) > 30 and len(windows) == len(requests)  # (some deltas hold 2 tokens)
-    gaps = sorted(b - a for a, b in zip(arrivals[5:], arrivals[6:]))
+    gaps = sorted(b - a for a, b in itertools.pairwise(arrivals[5:]))
     step = gaps[len(gaps) // 2]
-    during = [b - a for a, b in zip(arrivals, arrivals[1:])
+    during = [b - a for a, b in itertools.pairwise(arrivals)
               if any(a < end and b > start for start, end in windows)]
     assert during, "the stream ended before the big prompts were sent"
     # Tokenized on the event loop, the largest gap would be the tokenize time (6 s for this

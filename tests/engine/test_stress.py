@@ -23,17 +23,11 @@ from typing import Any
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
-from livetools import (
-    Live,
-    RawResponse,
-    check_error_body,
-    live_server,
-    raw_post,
-    request_bytes,
-)
 
 from engine.model_runner import ModelRunner
 from tests.api.schemafuzz import bodies, encoded, error_param_root, plausible, request_schema
+from tests.support.errors import check_error_body
+from tests.support.livetools import Live, RawResponse, live_server, raw_post, request_bytes
 
 
 def run(coro: Any, timeout: float) -> Any:

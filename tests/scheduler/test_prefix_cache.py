@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import pytest
-from schedsim import FakeRunner, drain, expected_output, make_scheduler, make_seq, step
 
 from scheduler import SchedulerConfig, SequenceStatus
 from scheduler import block_manager as bm_module
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
+from tests.support.schedsim import (
+    FakeRunner,
+    drain,
+    expected_output,
+    make_scheduler,
+    make_seq,
+    step,
+)
 
 
 def compute(bm: BlockManager, seq: Sequence, n: int, hits: list[int] | None = None) -> None:

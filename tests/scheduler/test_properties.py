@@ -11,7 +11,10 @@ from typing import Any
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from schedsim import (
+
+from scheduler import PromptTooLongError, QueueFullError, SchedulerConfig, SequenceStatus
+from scheduler.sequence import Sequence
+from tests.support.schedsim import (
     FakeRunner,
     check_output,
     decoding,
@@ -20,9 +23,6 @@ from schedsim import (
     make_scheduler,
     make_seq,
 )
-
-from scheduler import PromptTooLongError, QueueFullError, SchedulerConfig, SequenceStatus
-from scheduler.sequence import Sequence
 
 EOS = 3
 PREFIXES = [list(range(100, 112)), list(range(200, 212))]  # shared prefixes give cache hits

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from schedsim import assert_all_free, make_scheduler, make_seq
 
 from scheduler import SchedulerConfig, SequenceStatus
 from scheduler.sequence import Sequence
+from tests.support.schedsim import assert_all_free, make_scheduler, make_seq
 
 EOS = 0
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 import uvicorn
-from faults import FaultyRunner
 
 from api.app import create_app
 from api.cli import run_serving
@@ -32,6 +31,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
+from tests.support.faults import FaultyRunner
 
 METRIC_LINE = re.compile(r"^(pagedserve:[a-z_]+)(\{[^}]*\})? ([0-9.e+-]+|NaN)$")
 
@@ -235,12 +235,3 @@ async def _read_body(reader: asyncio.StreamReader, resp: RawResponse,
             return
 
 
-def check_error_body(body: Any) -> dict[str, Any]:
-    """The OpenAI error shape; returns the inner object."""
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and isinstance(error["type"], str), error
-    assert error["param"] is None or isinstance(error["param"], str), error
-    assert error["code"] is None or isinstance(error["code"], str), error
-    return error  # type: ignore[no-any-return]

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fake_engine import FakeEngine
 from starlette.testclient import TestClient
 
 from api.app import create_app
+from tests.support.fake_engine import FakeEngine
 
 
 @contextmanager
