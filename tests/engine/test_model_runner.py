@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import drive, greedy_seq, loaded_runner, tiny_config
 
 from engine.model_runner import ModelRunner
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence
+from tests.support.models import drive, greedy_seq, loaded_runner, tiny_config
 
 PROMPTS = [[5, 9, 13, 200, 17], [42] * 3 + list(range(60, 90)), list(range(100, 113)), [7]]
 
