@@ -3,12 +3,16 @@
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast install bench
+.PHONY: serve test test-fast lint install bench
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy api scheduler engine benchmarks tests
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
@@ -28,8 +29,8 @@ async def call(engine: FakeEngine, path: str, body: dict[str, Any], hang_up: flo
         await gone.wait()
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
         chunks = [m for m in sent if m["type"] == "http.response.body" and m.get("body")]
         if isinstance(hang_up, int) and len(chunks) >= hang_up:
             gone.set()

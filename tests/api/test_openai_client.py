@@ -10,12 +10,13 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from openai.types.chat import ChatCompletionMessageParam
 from starlette.testclient import TestClient
 
 from api.app import create_app
 from tests.support.fake_engine import FakeEngine
 
-MSG = [{"role": "user", "content": "hi"}]
+MSG: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture

@@ -124,6 +124,7 @@ def test_drain_lets_running_streams_finish() -> None:
         out: list[str] = []
         t = _stream_in_thread(client, {"prompt": "abc", "max_tokens": 40}, out)
         _wait_open(app, 1)
+        assert client.portal is not None
         failed = client.portal.call(AppState.of_app(app).lifecycle.drain, 10.0)
         t.join(10)
         assert failed == 0
@@ -140,6 +141,7 @@ def test_drain_timeout_ends_the_rest_with_an_error_event() -> None:
         t = _stream_in_thread(client, {"prompt": "abc", "max_tokens": 120}, out)
         _wait_open(app, 1)
         started = time.monotonic()
+        assert client.portal is not None
         failed = client.portal.call(AppState.of_app(app).lifecycle.drain, 0.3)
         t.join(10)
         assert failed == 1 and time.monotonic() - started < 5

@@ -255,7 +255,7 @@ def test_crash_outside_step_kills_engine_but_never_hangs_clients(llama_runner: M
             def boom() -> None:
                 raise RuntimeError("stats broke")
 
-            eng.engine.stats = boom  # type: ignore[method-assign]  # a bug outside step()
+            eng.engine.stats = boom  # type: ignore[method-assign, assignment]  # a bug outside step()
             with pytest.raises(EngineDeadError):
                 await collect(eng.submit("x", [3, 4, 5], GREEDY))
             assert not eng.is_ready()

@@ -51,7 +51,13 @@ def run_case(specs: list[tuple[int, int]], seed: int,
         full_k.append(k)
         full_v.append(v)
     order = sorted(range(len(specs)), key=lambda i: specs[i][1] != 1)  # decodes first
-    slots, decodes, prefills, qs, ks, vs, starts = [], [], [], [], [], [], {}
+    slots: list[int] = []
+    decodes: list[tuple[list[int], int]] = []
+    prefills: list[tuple[int, int, int, list[int]]] = []
+    qs: list[torch.Tensor] = []
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    starts: dict[int, int] = {}
     for i in order:
         c, n = specs[i]
         starts[i] = len(slots)
@@ -66,7 +72,8 @@ def run_case(specs: list[tuple[int, int]], seed: int,
     meta = build_metadata(pool, BLOCK, slots, decodes, prefills, torch.device("cpu"),
                           gather_budget=budget)
     q, k, v = torch.cat(qs, 1)[None], torch.cat(ks, 1)[None], torch.cat(vs, 1)[None]
-    out, _ = paged_attention(SimpleNamespace(layer_idx=layer), q, k, v, None,
+    out, _ = paged_attention(SimpleNamespace(layer_idx=layer),  # type: ignore[arg-type]
+                             q, k, v, None,
                              scaling=HEAD_DIM ** -0.5, attn_metadata=meta)
     assert out.shape == (1, len(slots), HEADS, HEAD_DIM)
     for j, i in enumerate(order):

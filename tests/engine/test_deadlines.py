@@ -4,6 +4,8 @@ deadline fails with error_code "queue_timeout"; a running one finishes with what
 
 from __future__ import annotations
 
+from typing import Any
+
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, RequestOutput
@@ -22,7 +24,7 @@ class Clock:
         return self.now
 
 
-def engine_with_clock(runner: ModelRunner, **sched: object) -> tuple[LLMEngine, Clock]:
+def engine_with_clock(runner: ModelRunner, **sched: Any) -> tuple[LLMEngine, Clock]:
     engine = make(runner, **sched)
     clock = Clock()
     engine.clock = clock

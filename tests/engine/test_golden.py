@@ -80,8 +80,9 @@ def assert_all_free(engine: LLMEngine) -> None:
 def hf_greedy(model: torch.nn.Module, ids: list[int], max_new: int) -> list[int]:
     inp = torch.tensor([ids])
     with torch.inference_mode():
-        out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False,
-                             max_new_tokens=max_new, top_p=None, top_k=None, temperature=None)
+        out = model.generate(  # type: ignore[operator]
+            inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=max_new,
+            top_p=None, top_k=None, temperature=None)
     return out[0, len(ids):].tolist()
 
 

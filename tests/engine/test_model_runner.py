@@ -182,8 +182,8 @@ def hf_greedy(runner: ModelRunner, prompt: list[int], new: int) -> list[int]:
         if "model" not in _MODEL:
             _MODEL["model"] = reference_model(converted_gguf(embedded_gguf()))
         with torch.inference_mode():
-            out = _MODEL["model"].generate(torch.tensor([prompt]), max_new_tokens=new,
-                                           do_sample=False)
+            out = _MODEL["model"].generate(  # type: ignore[operator]
+                torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
         _REF[key] = out[0, len(prompt):].tolist()
     return _REF[key]
 

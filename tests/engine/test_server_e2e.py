@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import openai
@@ -45,7 +46,7 @@ def test_echo_with_logprobs_scores_the_prompt(live: tuple[str, AsyncEngine]) -> 
         if stream:
             events = [json.loads(line[6:]) for line in r.text.splitlines()
                       if line.startswith("data: {")]
-            lp = {"tokens": [], "token_logprobs": []}
+            lp: dict[str, list[Any]] = {"tokens": [], "token_logprobs": []}
             for e in events:
                 for c in e["choices"]:
                     if c.get("logprobs"):

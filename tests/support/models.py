@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +16,9 @@ from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -54,11 +58,12 @@ def build_checkpoint(folder: Path, arch: str) -> Path:
 
     build_tokenizer(folder)
     vocab = len(AutoTokenizer.from_pretrained(folder))
-    common = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
+    common: dict[str, Any] = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1,
               "pad_token_id": 1}
     torch.manual_seed(0)
+    model: PreTrainedModel
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
