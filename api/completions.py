@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from api.errors import CLIENT_CLOSED, bad_request
+from api.errors import CLIENT_CLOSED, bad_request, from_engine_error
 from api.params import read_json
 from api.protocol_completion import CompletionRequest, Prompt, parse_completion
 from api.responses import (
@@ -27,7 +27,7 @@ from api.sse import sse_response
 from api.state import AppState, new_request_id, now, tokenize_text
 from api.streams import Job, MergedStream, run_unless_disconnected, start_stream
 from engine.outputs import RequestOutput
-from engine.protocol import EngineClient
+from engine.protocol import EngineClient, EngineDeadError
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +72,8 @@ async def _prepare(app: AppState, prompt: Prompt, echo: bool) -> _Group:
         return _Group(prompt, "")
     try:
         return _Group(prompt, await app.engine.detokenize(prompt))
+    except EngineDeadError as e:
+        raise from_engine_error(e, app.engine.stats()) from None
     except (ValueError, IndexError, OverflowError, TypeError) as e:
         raise bad_request(f"prompt contains invalid token ids: {e}", param="prompt") from None
 

@@ -51,7 +51,7 @@ class MergedStream:
         self._jobs = jobs
         self._lifecycle = lifecycle  # told when the stream opens and closes (shutdown drain)
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._streams: list[RequestStream] = []
+        self._streams: dict[int, RequestStream] = {}  # choice index -> its admitted stream
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
@@ -59,22 +59,26 @@ class MergedStream:
         """Submit every engine request at once (one trip to the engine thread); if any is
         refused (prompt too long, queue full, engine dead), the admitted ones are closed and
         the refusal becomes the HTTP status."""
-        results = await asyncio.gather(*(self._submit(job) for job in self._jobs),
-                                       return_exceptions=True)
-        self._streams = [r for r in results if isinstance(r, RequestStream)]
+        try:
+            results = await asyncio.gather(*(self._submit(i, job)
+                                             for i, job in enumerate(self._jobs)),
+                                           return_exceptions=True)
+        except BaseException:  # cancelled: close what was admitted so far (frees its blocks)
+            await self.close()
+            raise
         refused = next((r for r in results if isinstance(r, BaseException)), None)
         if refused is not None:
             await self.close()
             if not isinstance(refused, Exception):
-                raise refused  # cancelled: the client went away
+                raise refused
             raise from_engine_error(refused, self.engine.stats()) from refused
-        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(self._streams)]
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in self._streams.items()]
         if self._lifecycle is not None:
             self._lifecycle.opened(self)
 
-    async def _submit(self, job: Job) -> RequestStream:
-        return await self.engine.submit(job.request_id, job.prompt, job.params, job.priority,
-                                        job.deadline)
+    async def _submit(self, i: int, job: Job) -> None:
+        self._streams[i] = await self.engine.submit(job.request_id, job.prompt, job.params,
+                                                    job.priority, job.deadline)
 
     async def _pump(self, i: int, stream: RequestStream) -> None:
         tracker = self._jobs[i].tracker
@@ -120,7 +124,7 @@ class MergedStream:
             for task in self._tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            for i, stream in enumerate(self._streams):
+            for i, stream in self._streams.items():
                 if not stream.ended:
                     self._jobs[i].tracker.on_abort()
                 await stream.aclose()

@@ -236,9 +236,11 @@ class AsyncEngine:
             self._dead = reason = f"engine loop crashed: {e}"
         finally:
             self._stopped.set()  # before telling clients: a submit after this is refused
-            for request_id in list(self.engine.requests):  # free everything
-                self.engine.abort_request(request_id)
-            self._on_loop(self._fail_all, EngineDeadError(reason))
+            try:
+                for request_id in list(self.engine.requests):  # free everything
+                    self.engine.abort_request(request_id)
+            finally:  # even if the engine's state is too broken to abort: nobody may hang
+                self._on_loop(self._fail_all, EngineDeadError(reason))
 
     def _loop_steps(self) -> None:
         while self._drain_inbox(block=not self.engine.has_unfinished()):

@@ -80,3 +80,38 @@ def test_finished_requests_are_not_aborted() -> None:
                             {"prompt": "ab", "n": 2, "max_tokens": 2, "stream": True}, 10.0))
     assert b"[DONE]" in b"".join(m.get("body", b"") for m in sent)
     assert engine.aborted == [] and len(engine.finished) == 2
+
+
+def test_cancel_while_choices_are_being_admitted_closes_the_admitted_ones() -> None:
+    """One choice is admitted, the next is still waiting for admission when the client goes
+    away: the admitted one must be aborted too, or it would run on holding KV blocks."""
+    from api.metrics import ServerMetrics
+    from api.streams import Job, MergedStream
+    from engine.protocol import RequestStream, SamplingParams
+
+    class SlowAdmission(FakeEngine):
+        async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+                         priority: int = 0, deadline: float | None = None) -> RequestStream:
+            if request_id.endswith("-1"):
+                await asyncio.Event().wait()  # never admitted
+            return await super().submit(request_id, prompt, params, priority, deadline)
+
+    async def main() -> SlowAdmission:
+        engine = SlowAdmission(token_delay=0.05)
+        await engine.start()
+        metrics = ServerMetrics(engine)
+        params = SamplingParams(max_tokens=50)
+        jobs = [Job(f"r-{i}", [5, 6], params, 0, metrics.tracker(2)) for i in range(2)]
+        stream = MergedStream(engine, jobs)
+        task = asyncio.create_task(stream.start())
+        while not engine.submitted:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0)
+        return engine
+
+    engine = asyncio.run(asyncio.wait_for(main(), 10))
+    assert [s.request_id for s in engine.submitted] == ["r-0"]
+    assert engine.aborted == ["r-0"] and not engine.finished
