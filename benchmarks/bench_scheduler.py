@@ -212,9 +212,6 @@ class FakeRunner:
         self.last_ns = time.perf_counter_ns() - t0
         return out
 
-    def release(self, seq_ids: Any) -> None:
-        pass
-
 
 def ordinary_ids(hf_tokenizer: Any, count: int = len(FAKE_TOKENS)) -> list[int]:
     """Token ids that are not special, from the middle of the vocabulary when it is large."""

@@ -176,9 +176,6 @@ class AsyncEngine:
             raise
         return stream
 
-    async def abort(self, request_id: str) -> None:
-        self._close_stream(request_id)
-
     def _close_stream(self, request_id: str) -> None:
         """A stream closed before its end (or a cancelled submit): abort the request."""
         self._streams.pop(request_id, None)

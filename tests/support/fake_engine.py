@@ -91,9 +91,6 @@ class FakeEngine:
     def is_ready(self) -> bool:
         return self.started and not self.dead
 
-    async def abort(self, request_id: str) -> None:
-        self._close(request_id)
-
     def _close(self, request_id: str) -> None:
         self.aborted.append(request_id)
         task = self._runs.pop(request_id, None)
