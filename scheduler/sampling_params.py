@@ -9,11 +9,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from scheduler.errors import InvalidParamError
 
 # OpenAI allows at most 20 top logprobs per token; vLLM keeps the same cap by default.
 MAX_LOGPROBS = 20
+
+
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output, compiled by the engine into a token grammar.
+
+    `spec` by kind: "json" a JSON Schema as JSON text; "json_object" "" (any JSON object);
+    "regex" a regular expression; "choice" a JSON list of the allowed strings; "grammar" an
+    EBNF/GBNF grammar. `param` names the request field it came from, so a spec that fails to
+    compile is a 400 naming that field. The scheduler only knows that a request carrying one
+    waits until its grammar is compiled."""
+
+    kind: StructuredKind
+    spec: str
+    param: str = "structured_outputs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs of each sampled token
     prompt_logprobs: int | None = None  # top-N logprobs of each prompt token (echo scoring)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 0, "max_tokens", "must be >= 0")
