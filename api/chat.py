@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from api.errors import CLIENT_CLOSED, bad_request, from_engine_error
+from api.options import truncate
 from api.params import read_json
 from api.protocol_chat import ChatRequest, parse_chat
 from api.responses import (
@@ -18,12 +19,13 @@ from api.responses import (
     chat_chunk_choice,
     chat_logprobs,
     envelope,
+    prompt_logprobs,
     token_entries,
     usage,
 )
 from api.sampling import build_params, check_context
 from api.sse import sse_response
-from api.state import AppState, new_request_id, now, tokenize_text
+from api.state import AppState, now, request_ids, tokenize_text
 from api.streams import Job, MergedStream, run_unless_disconnected, start_stream
 from engine.protocol import EngineClient, EngineDeadError, EngineLimits
 
@@ -36,13 +38,17 @@ async def create_chat_completion(request: Request) -> Response:
     req = parse_chat(await read_json(request, app.max_body_bytes))
     app.check_model(req.model)
     app.check_admitting()
+    opts = req.options
+    # A prompt to be truncated may be longer than the context: no length check first.
+    limits = app.limits() if opts.truncate_prompt_tokens is None else None
     prompt = await render_chat(app.engine, req.messages, req.add_generation_prompt,
-                               limits=app.limits())
-    rid, created = new_request_id("chatcmpl"), now()
+                               opts.add_special_tokens, limits)
+    prompt = truncate(prompt, opts, app.limits().max_model_len, req.sampling.max_tokens)
+    shown_id, engine_id = request_ids("chatcmpl", opts.request_id)
     deadline = app.deadline(arrival, req.sampling.timeout)
-    stream = await start_stream(app.engine, _jobs(app, req, prompt, rid, deadline),
+    stream = await start_stream(app.engine, _jobs(app, req, prompt, engine_id, deadline),
                                 app.metrics, app.lifecycle)
-    head = (rid, created, app.served_model_name)
+    head = (shown_id, now(), app.served_model_name)
     if req.stream:
         return sse_response(_events(stream, req, len(prompt), head), stream.close)
     try:
@@ -74,13 +80,21 @@ def _jobs(app: AppState, req: ChatRequest, prompt: list[int], rid: str,
           deadline: float | None) -> list[Job]:
     max_tokens = check_context(len(prompt), req.sampling.max_tokens,
                                app.limits().max_model_len, "messages")
-    params = build_params(req.sampling, max_tokens, logprobs=req.logprobs)
+    params = build_params(req.sampling, max_tokens, logprobs=req.logprobs,
+                          prompt_logprobs=req.options.prompt_logprobs)
     return [Job(f"{rid}-{i}", prompt, p, req.sampling.priority,
                 app.metrics.tracker(len(prompt)), deadline) for i, p in enumerate(params)]
 
 
 def _logprobs(req: ChatRequest, state_entries: list[Any]) -> dict[str, Any] | None:
-    return chat_logprobs(state_entries, req.logprobs) if req.logprobs is not None else None
+    if req.logprobs is None:
+        return None
+    return chat_logprobs(state_entries, req.logprobs, req.options.tokens_as_ids)
+
+
+def _usage(prompt_len: int, states: list[ChoiceState]) -> dict[str, Any]:
+    # One prompt shared by every choice: its cached tokens are the first choice's.
+    return usage(prompt_len, sum(s.num_tokens for s in states), states[0].cached_tokens)
 
 
 async def _collect(stream: MergedStream, req: ChatRequest, prompt_len: int,
@@ -89,8 +103,16 @@ async def _collect(stream: MergedStream, req: ChatRequest, prompt_len: int,
     async for i, out in stream:
         states[i].add(out)
     choices = [chat_choice(i, s, _logprobs(req, s.logprobs)) for i, s in enumerate(states)]
-    return envelope(*head, obj="chat.completion", choices=choices,
-                    usage_=usage(prompt_len, sum(s.num_tokens for s in states)))
+    body = envelope(*head, obj="chat.completion", choices=choices,
+                    usage_=_usage(prompt_len, states))
+    if req.options.prompt_logprobs is not None:  # vLLM: once, on the response
+        body["prompt_logprobs"] = prompt_logprobs(states[0].prompt_logprobs or ())
+    return body
+
+
+def _chunk_usage(req: ChatRequest, prompt_len: int, num_tokens: int) -> dict[str, Any] | None:
+    """continuous_usage_stats: this choice's usage so far on each of its chunks (vLLM)."""
+    return usage(prompt_len, num_tokens) if req.options.continuous_usage else None
 
 
 async def _events(stream: MergedStream, req: ChatRequest, prompt_len: int,
@@ -99,7 +121,8 @@ async def _events(stream: MergedStream, req: ChatRequest, prompt_len: int,
     try:
         for i in range(req.sampling.n):  # OpenAI opens each choice with the role alone
             role = chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
-            yield envelope(*head, obj=CHUNK, choices=[role])
+            yield envelope(*head, obj=CHUNK, choices=[role],
+                           usage_=_chunk_usage(req, prompt_len, 0))
         async for i, out in stream:
             states[i].add(out)
             entries = token_entries(out)
@@ -108,9 +131,9 @@ async def _events(stream: MergedStream, req: ChatRequest, prompt_len: int,
             delta = {"content": out.new_text} if out.new_text or not out.finished else {}
             choice = chat_chunk_choice(i, delta, _logprobs(req, entries), out.finish_reason,
                                        out.stop_reason)
-            yield envelope(*head, obj=CHUNK, choices=[choice])
-        if req.include_usage:
-            total = sum(s.num_tokens for s in states)
-            yield envelope(*head, obj=CHUNK, choices=[], usage_=usage(prompt_len, total))
+            yield envelope(*head, obj=CHUNK, choices=[choice],
+                           usage_=_chunk_usage(req, prompt_len, states[i].num_tokens))
+        if req.options.include_usage:
+            yield envelope(*head, obj=CHUNK, choices=[], usage_=_usage(prompt_len, states))
     finally:
         await stream.close()

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from api.errors import CLIENT_CLOSED, bad_request, from_engine_error
+from api.options import truncate
 from api.params import read_json
 from api.protocol_completion import CompletionRequest, Prompt, parse_completion
 from api.responses import (
@@ -19,12 +20,14 @@ from api.responses import (
     completion_choice,
     completion_logprobs,
     envelope,
+    prompt_logprobs,
     token_entries,
+    token_name,
     usage,
 )
 from api.sampling import build_params, check_context
 from api.sse import sse_response
-from api.state import AppState, new_request_id, now, tokenize_text
+from api.state import AppState, now, request_ids, tokenize_text
 from api.streams import Job, MergedStream, run_unless_disconnected, start_stream
 from engine.outputs import RequestOutput
 from engine.protocol import EngineClient, EngineDeadError
@@ -51,9 +54,10 @@ async def create_completion(request: Request) -> Response:
     req = parse_completion(await read_json(request, app.max_body_bytes))
     app.check_model(req.model)
     app.check_admitting()
-    groups = [await _prepare(app, p, req.echo) for p in req.prompts]
-    meta = _Meta(new_request_id("cmpl"), now(), app.served_model_name)
-    jobs = _jobs(app, req, groups, meta.id, app.deadline(arrival, req.sampling.timeout))
+    groups = [await _prepare(app, p, req) for p in req.prompts]
+    shown_id, engine_id = request_ids("cmpl", req.options.request_id)
+    meta = _Meta(shown_id, now(), app.served_model_name)
+    jobs = _jobs(app, req, groups, engine_id, app.deadline(arrival, req.sampling.timeout))
     stream = await start_stream(app.engine, jobs, app.metrics, app.lifecycle)
     if req.stream:
         return sse_response(_events(stream, req, groups, meta), stream.close)
@@ -64,18 +68,33 @@ async def create_completion(request: Request) -> Response:
     return JSONResponse(body) if body is not None else Response(status_code=CLIENT_CLOSED)
 
 
-async def _prepare(app: AppState, prompt: Prompt, echo: bool) -> _Group:
+async def _prepare(app: AppState, prompt: Prompt, req: CompletionRequest) -> _Group:
+    """The prompt's tokens (truncated when asked) and, with echo, the text they spell."""
+    opts = req.options
     if isinstance(prompt, str):
-        ids = await tokenize_text(app.engine, prompt, True, "prompt", app.limits())
-        return _Group(ids, prompt if echo else "")
-    if not echo:
-        return _Group(prompt, "")
-    try:
-        return _Group(prompt, await app.engine.detokenize(prompt))
+        # A prompt to be truncated may be longer than the context: no length check first.
+        limits = app.limits() if opts.truncate_prompt_tokens is None else None
+        ids = await tokenize_text(app.engine, prompt, opts.add_special_tokens, "prompt", limits)
+    else:
+        ids = prompt
+    kept = truncate(ids, opts, app.limits().max_model_len, req.sampling.max_tokens)
+    if not req.echo:
+        return _Group(kept, "")
+    if isinstance(prompt, str) and len(kept) == len(ids):
+        return _Group(kept, prompt)
+    try:  # token ids, or a truncated text: echo what the model was given
+        return _Group(kept, await app.engine.detokenize(kept))
     except EngineDeadError as e:
         raise from_engine_error(e, app.engine.stats()) from None
     except (ValueError, IndexError, OverflowError, TypeError) as e:
         raise bad_request(f"prompt contains invalid token ids: {e}", param="prompt") from None
+
+
+def _prompt_logprobs(req: CompletionRequest) -> int | None:
+    """vLLM: prompt_logprobs when given, else with echo the logprobs count (echo scoring)."""
+    if req.options.prompt_logprobs is not None:
+        return req.options.prompt_logprobs
+    return req.logprobs if req.echo else None
 
 
 def _jobs(app: AppState, req: CompletionRequest, groups: list[_Group], rid: str,
@@ -84,30 +103,35 @@ def _jobs(app: AppState, req: CompletionRequest, groups: list[_Group], rid: str,
     for group in groups:
         max_tokens = check_context(len(group.token_ids), req.sampling.max_tokens,
                                    app.limits().max_model_len, "prompt")
-        prompt_logprobs = req.logprobs if req.echo else None
         for params in build_params(req.sampling, max_tokens, logprobs=req.logprobs,
-                                   prompt_logprobs=prompt_logprobs):
+                                   prompt_logprobs=_prompt_logprobs(req)):
             tracker = app.metrics.tracker(len(group.token_ids))
             jobs.append(Job(f"{rid}-{len(jobs)}", group.token_ids, params,
                             req.sampling.priority, tracker, deadline))
     return jobs
 
 
-async def _echo_entries(engine: EngineClient, out: RequestOutput) -> list[LogprobEntry]:
+async def _echo_entries(engine: EngineClient, out: RequestOutput,
+                        as_ids: bool) -> list[LogprobEntry]:
     """Prompt logprobs as entries; the first token has none, so its text is decoded here."""
     ids, lps = out.prompt_token_ids or (), out.prompt_logprobs or ()
-    return [(lp.chosen.token if lp is not None else await engine.detokenize([tid]), lp)
-            for tid, lp in zip(ids, lps)]
+    return [(await _first_token(engine, tid, as_ids) if lp is None
+             else token_name(lp.chosen, as_ids), lp) for tid, lp in zip(ids, lps)]
+
+
+async def _first_token(engine: EngineClient, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else await engine.detokenize([token_id])
 
 
 async def _delta(engine: EngineClient, req: CompletionRequest, group: _Group, state: ChoiceState,
            out: RequestOutput) -> tuple[str, list[LogprobEntry]]:
     """The text and logprob entries this delta adds; the first one carries the echo."""
-    text, entries = out.new_text, token_entries(out)
+    as_ids = req.options.tokens_as_ids
+    text, entries = out.new_text, token_entries(out, as_ids)
     if req.echo and not state.prompt_seen and out.prompt_token_ids is not None:
         text = group.echo_text + text
         if req.logprobs is not None:
-            entries = await _echo_entries(engine, out) + entries
+            entries = await _echo_entries(engine, out, as_ids) + entries
     state.add(out)
     return text, entries
 
@@ -123,20 +147,32 @@ async def _collect(stream: MergedStream, req: CompletionRequest, groups: list[_G
         text, new_entries = await _delta(engine, req, groups[i // n], states[i], out)
         texts[i].append(text)
         entries[i].extend(new_entries)
-    choices = [completion_choice(i, "".join(texts[i]), _logprobs(req, entries[i], 0), s)
+    choices = [_choice(req, i, "".join(texts[i]), _logprobs(req, entries[i], 0), s)
                for i, s in enumerate(states)]
     return envelope(meta.id, meta.created, meta.model, "text_completion", choices,
                     _usage(groups, states, n))
 
 
+def _choice(req: CompletionRequest, i: int, text: str, logprobs: dict[str, Any] | None,
+            state: ChoiceState) -> dict[str, Any]:
+    choice = completion_choice(i, text, logprobs, state)
+    if _prompt_logprobs(req) is not None:  # vLLM returns them on each choice of the prompt
+        choice["prompt_logprobs"] = prompt_logprobs(state.prompt_logprobs or ())
+    return choice
+
+
 def _logprobs(req: CompletionRequest, entries: list[LogprobEntry],
               offset: int) -> dict[str, Any] | None:
-    return completion_logprobs(entries, offset) if req.logprobs is not None else None
+    if req.logprobs is None:
+        return None
+    return completion_logprobs(entries, offset, req.options.tokens_as_ids)
 
 
-def _usage(groups: list[_Group], states: list[ChoiceState], n: int) -> dict[str, int]:
-    # Each prompt is counted once however many choices share it (as vLLM does).
-    return usage(sum(len(g.token_ids) for g in groups), sum(s.num_tokens for s in states))
+def _usage(groups: list[_Group], states: list[ChoiceState], n: int) -> dict[str, Any]:
+    # Each prompt is counted once however many choices share it (as vLLM does); its cached
+    # tokens are its first choice's.
+    return usage(sum(len(g.token_ids) for g in groups), sum(s.num_tokens for s in states),
+                 sum(states[g * n].cached_tokens for g in range(len(groups))))
 
 
 async def _events(stream: MergedStream, req: CompletionRequest, groups: list[_Group],
@@ -153,9 +189,16 @@ async def _events(stream: MergedStream, req: CompletionRequest, groups: list[_Gr
             logprobs = _logprobs(req, entries, state.text_offset)
             state.text_offset += sum(len(tok) for tok, _ in entries)
             choice = completion_choice(i, text, logprobs, state)
-            yield envelope(meta.id, meta.created, meta.model, "text_completion", [choice])
-        if req.include_usage:
+            yield envelope(meta.id, meta.created, meta.model, "text_completion", [choice],
+                           _chunk_usage(req, len(groups[i // n].token_ids), state))
+        if req.options.include_usage:
             yield envelope(meta.id, meta.created, meta.model, "text_completion", [],
                            _usage(groups, states, n))
     finally:
         await stream.close()
+
+
+def _chunk_usage(req: CompletionRequest, prompt_len: int,
+                 state: ChoiceState) -> dict[str, Any] | None:
+    """continuous_usage_stats: this choice's usage so far on each of its chunks (vLLM)."""
+    return usage(prompt_len, state.num_tokens) if req.options.continuous_usage else None

@@ -1,5 +1,6 @@
 """GET /openapi.json: an OpenAPI 3.1 document built from the same field tables the parsers
-use, so the description cannot drift from what the server accepts."""
+use (api/fields.py, api/routes.py), so the description cannot drift from what the server
+accepts; request fields carry their value constraints, responses their schemas."""
 
 from __future__ import annotations
 
@@ -8,58 +9,67 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from api.protocol_chat import CHAT_FIELDS
-from api.protocol_completion import COMPLETION_FIELDS
+from api import openapi_schemas as s
+from api.fields import CHAT_FIELDS, COMPLETION_FIELDS, Field, Status
 from api.routes import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
 ERROR_STATUSES = {"400": "Invalid request (the error names the parameter)",
                   "401": "Missing or wrong API key", "404": "Unknown model or route",
                   "413": "Request body too large", "429": "Queue full, retry after Retry-After",
-                  "503": "Model loading or engine not running"}
+                  "503": "Model loading, engine not running, or shutting down"}
+NO_BODY: dict[str, Any] = {}  # a 200 with an empty body (/health)
 
-# (method, path, summary, request fields or None, required fields, response description)
-ROUTES: list[tuple[str, str, str, dict[str, str] | None, tuple[str, ...], str]] = [
+
+def _described(fields: dict[str, Field]) -> dict[str, dict[str, Any]]:
+    """Each field's schema, with what we do with it in its description."""
+    out = {}
+    for name, f in fields.items():
+        what = {Status.SUPPORTED: f.note, Status.OWNED: "",
+                Status.NO_EFFECT: f"accepted, no effect: {f.note}",
+                Status.REFUSED: f"not supported ({f.note}): only its default is accepted"}
+        description = what[f.status]
+        out[name] = {**f.schema, "description": description} if description else f.schema
+    return out
+
+
+# (method, path, summary, request field schemas or None, required fields, 200 content)
+ROUTES: list[tuple[str, str, str, dict[str, dict[str, Any]] | None, tuple[str, ...],
+                   dict[str, Any]]] = [
     ("post", "/v1/completions", "Text completion (OpenAI legacy completions)",
-     COMPLETION_FIELDS, ("prompt",), "A text_completion, or SSE chunks when stream is true"),
-    ("post", "/v1/chat/completions", "Chat completion", CHAT_FIELDS, ("messages",),
-     "A chat.completion, or SSE chat.completion.chunk events when stream is true"),
-    ("get", "/v1/models", "List the served model", None, (), "An OpenAI model list"),
-    ("get", "/health", "200 when the engine is ready, 503 otherwise", None, (), "Ready"),
-    ("get", "/metrics", "Prometheus metrics", None, (), "Prometheus text format"),
+     _described(COMPLETION_FIELDS), ("prompt",), s.generation_content(s.COMPLETION)),
+    ("post", "/v1/chat/completions", "Chat completion", _described(CHAT_FIELDS),
+     ("messages",), s.generation_content(s.CHAT_COMPLETION)),
+    ("get", "/v1/models", "List the served model", None, (), s.json_content(s.MODEL_LIST)),
+    ("get", "/health", "200 when the engine is ready, 503 otherwise", None, (), NO_BODY),
+    ("get", "/metrics", "Prometheus metrics", None, (),
+     {"text/plain": {"schema": {"type": "string"}}}),
     ("post", "/tokenize", "Tokenize a prompt or chat messages", TOKENIZE_FIELDS, (),
-     "{tokens, count, max_model_len}"),
-    ("post", "/detokenize", "Token ids to text", DETOKENIZE_FIELDS, ("tokens",), "{prompt}"),
-    ("get", "/openapi.json", "This document", None, (), "OpenAPI 3.1 JSON"),
+     s.json_content(s.TOKENIZE)),
+    ("post", "/detokenize", "Token ids to text", DETOKENIZE_FIELDS, ("tokens",),
+     s.json_content(s.DETOKENIZE)),
+    ("get", "/openapi.json", "This document", None, (), s.json_content({"type": "object"})),
 ]
 
 
-def _json_type(spec: str) -> dict[str, Any]:
-    types = [{"type": t} for t in spec.split("|")]
-    return types[0] if len(types) == 1 else {"oneOf": types}
+def _request_body(fields: dict[str, dict[str, Any]], required: tuple[str, ...]) -> dict[str, Any]:
+    # Unknown fields are ignored (with a warning), as OpenAI's and vLLM's servers do.
+    schema = {"type": "object", "properties": fields, "required": list(required),
+              "additionalProperties": True}
+    return {"required": True, "content": s.json_content(schema)}
 
 
-def _request_body(fields: dict[str, str], required: tuple[str, ...]) -> dict[str, Any]:
-    schema = {"type": "object", "properties": {k: _json_type(v) for k, v in fields.items()},
-              "required": list(required), "additionalProperties": True}
-    return {"required": True, "content": {"application/json": {"schema": schema}}}
-
-
-def _operation(summary: str, fields: dict[str, str] | None, required: tuple[str, ...],
-               ok: str) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": ok}}}
+def _operation(summary: str, fields: dict[str, dict[str, Any]] | None,
+               required: tuple[str, ...], ok: dict[str, Any]) -> dict[str, Any]:
+    success: dict[str, Any] = {"description": "OK"}
+    if ok:
+        success["content"] = ok
+    op: dict[str, Any] = {"summary": summary, "responses": {"200": success}}
     if fields is not None:
         op["requestBody"] = _request_body(fields, required)
     for status, why in ERROR_STATUSES.items():
-        op["responses"][status] = {"description": why, "content": {"application/json": {
-            "schema": {"$ref": "#/components/schemas/Error"}}}}
+        op["responses"][status] = {"description": why, "content": s.json_content(
+            {"$ref": "#/components/schemas/Error"})}
     return op
-
-
-ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type", "param", "code"],
-    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}},
-}}}
 
 
 def build_openapi(title: str, version: str) -> dict[str, Any]:
@@ -67,7 +77,7 @@ def build_openapi(title: str, version: str) -> dict[str, Any]:
     for method, path, summary, fields, required, ok in ROUTES:
         paths.setdefault(path, {})[method] = _operation(summary, fields, required, ok)
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
-            "components": {"schemas": {"Error": ERROR_SCHEMA}}}
+            "components": {"schemas": {"Error": s.ERROR}}}
 
 
 async def openapi(request: Request) -> Response:

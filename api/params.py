@@ -1,8 +1,8 @@
 """Reading a JSON request body and its fields with strict types.
 
 JSON is loose (bools are ints in Python, NaN parses, numbers can be huge), so each getter
-checks the exact type and range and raises a 400 that names the parameter. Unknown fields
-are ignored with a debug log, as vLLM does.
+checks the exact type and range and raises a 400 that names the parameter. Which fields a
+route knows, refuses or ignores: api/fields.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable
 from typing import Any
 
 from starlette.requests import Request
@@ -57,12 +56,6 @@ def _reject_constant(name: str) -> Any:
 def _too_large(max_bytes: int) -> APIError:
     return APIError(413, f"The request body is larger than {max_bytes} bytes.",
                     code="request_too_large")
-
-
-def warn_unknown(body: dict[str, Any], known: Iterable[str], route: str) -> None:
-    unknown = sorted(set(body) - set(known))
-    if unknown:
-        logger.debug("%s: ignoring unknown field(s) %s", route, ", ".join(unknown))
 
 
 def get_int(body: dict[str, Any], name: str, default: Any = None, *, lo: int = INT64_MIN,
@@ -128,3 +121,14 @@ def get_int_list(body: dict[str, Any], name: str, lo: int = 0,
     if not isinstance(value, list):
         raise bad_request(f"{name} must be a list of integers", param=name)
     return [check_int(v, name, lo, hi) for v in value]
+
+
+def check_unicode(text: str, param: str) -> None:
+    """A 400 naming `param` for text that is not valid Unicode: JSON allows a lone UTF-16
+    surrogate ("\\ud800"), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{param} is not valid Unicode text: it contains a lone UTF-16 "
+                          f"surrogate (U+{ord(text[e.start]):04X}) at character {e.start}",
+                          param=param) from None

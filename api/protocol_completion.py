@@ -6,23 +6,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import bad_request
-from api.params import INT64_MAX, check_int, get_bool, get_int, get_str, warn_unknown
-from api.sampling import (
-    MAX_LOGPROBS,
-    SAMPLING_FIELDS,
-    SamplingArgs,
-    check_max_tokens,
-    parse_sampling,
-    parse_stream_options,
-)
+from api.fields import CMPL, MAX_PROMPTS, check_fields
+from api.options import Options, parse_options
+from api.params import INT64_MAX, check_int, get_bool, get_int, get_str
+from api.sampling import MAX_LOGPROBS, SamplingArgs, check_max_tokens, parse_sampling
 
-MAX_CHOICES = 256  # prompts x n in one request
-MAX_PROMPTS = MAX_CHOICES  # prompts in one request (a batch of strings or of token-id lists)
-
-COMPLETION_FIELDS: dict[str, str] = {
-    **SAMPLING_FIELDS, "prompt": "string|array", "echo": "boolean", "logprobs": "integer",
-    "best_of": "integer", "suffix": "string",
-}
+MAX_CHOICES = MAX_PROMPTS  # prompts x n in one request
 
 Prompt = str | list[int]
 
@@ -35,11 +24,11 @@ class CompletionRequest:
     echo: bool
     logprobs: int | None
     stream: bool
-    include_usage: bool
+    options: Options
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    warn_unknown(body, COMPLETION_FIELDS, "/v1/completions")
+    check_fields(body, CMPL)
     if "prompt" not in body:
         raise bad_request("prompt is required", param="prompt")
     prompts = parse_prompt(body["prompt"])
@@ -55,7 +44,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     return CompletionRequest(
         model=get_str(body, "model"), prompts=prompts, sampling=sampling, echo=echo,
         logprobs=get_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS), stream=stream,
-        include_usage=parse_stream_options(body, stream),
+        options=parse_options(body, stream, add_special_tokens=True),
     )
 
 
@@ -80,8 +69,6 @@ def _token_ids(value: list[Any]) -> list[int]:
 
 
 def _check_unsupported(body: dict[str, Any], n: int) -> None:
-    if body.get("suffix") is not None:
-        raise bad_request("suffix is not supported", param="suffix")
     best_of = get_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != n:
         raise bad_request("best_of is not supported unless it equals n", param="best_of")

@@ -10,14 +10,23 @@ from starlette.responses import JSONResponse, Response
 
 from api.chat import render_chat
 from api.errors import bad_request, not_ready
+from api.fields import warn_unknown
 from api.lifecycle import shutting_down
-from api.params import INT64_MAX, get_bool, get_int_list, get_str, read_json, warn_unknown
+from api.params import INT64_MAX, get_bool, get_int_list, get_str, read_json
 from api.protocol_chat import parse_messages
 from api.state import AppState, now, tokenize_text
 
-TOKENIZE_FIELDS = {"model": "string", "prompt": "string", "messages": "array",
-                   "add_special_tokens": "boolean", "add_generation_prompt": "boolean"}
-DETOKENIZE_FIELDS = {"model": "string", "tokens": "array"}
+# Field -> JSON schema (served in /openapi.json). `model`, when present, must be a string:
+# these are not OpenAI routes, and null has no "default model" meaning here.
+_MESSAGES = {"type": "array", "minItems": 1, "items": {"type": "object"}}
+TOKENIZE_FIELDS: dict[str, dict[str, Any]] = {
+    "model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES,
+    "add_special_tokens": {"type": ["boolean", "null"]},
+    "add_generation_prompt": {"type": ["boolean", "null"]}}
+DETOKENIZE_FIELDS: dict[str, dict[str, Any]] = {
+    "model": {"type": "string"},
+    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                          "maximum": INT64_MAX}}}
 
 
 async def list_models(request: Request) -> Response:
@@ -46,12 +55,19 @@ async def metrics(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     app = AppState.of(request)
     body = await read_json(request, app.max_body_bytes)
-    warn_unknown(body, TOKENIZE_FIELDS, "/tokenize")
-    app.check_model(get_str(body, "model"))
+    warn_unknown(body, frozenset(TOKENIZE_FIELDS), "/tokenize")
+    app.check_model(_model(body))
     app.check_ready()
     tokens = await _tokens_of(app, body)
     return JSONResponse({"count": len(tokens), "max_model_len": app.limits().max_model_len,
                          "tokens": tokens})
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    """`model` may be left out, not null (a 400, as any other non-string)."""
+    if "model" in body and not isinstance(body["model"], str):
+        raise bad_request("model must be a string", param="model")
+    return get_str(body, "model")
 
 
 async def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
@@ -73,8 +89,8 @@ async def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
 async def detokenize(request: Request) -> Response:
     app = AppState.of(request)
     body = await read_json(request, app.max_body_bytes)
-    warn_unknown(body, DETOKENIZE_FIELDS, "/detokenize")
-    app.check_model(get_str(body, "model"))
+    warn_unknown(body, frozenset(DETOKENIZE_FIELDS), "/detokenize")
+    app.check_model(_model(body))
     tokens = get_int_list(body, "tokens", 0, INT64_MAX)
     if tokens is None:
         raise bad_request("tokens is required", param="tokens")

@@ -24,18 +24,6 @@ MAX_STOP = 16  # OpenAI allows 4; vLLM has no cap
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's own cap
 
-# Field name -> JSON type, for the unknown-field check and the OpenAPI document.
-SAMPLING_FIELDS: dict[str, str] = {
-    "max_tokens": "integer", "temperature": "number", "top_p": "number", "top_k": "integer",
-    "min_p": "number", "n": "integer", "stop": "string|array", "stop_token_ids": "array",
-    "seed": "integer", "presence_penalty": "number", "frequency_penalty": "number",
-    "repetition_penalty": "number", "logit_bias": "object", "ignore_eos": "boolean",
-    "min_tokens": "integer", "user": "string", "priority": "integer",
-    "include_stop_str_in_output": "boolean", "skip_special_tokens": "boolean",
-    "stream": "boolean", "stream_options": "object", "model": "string", "timeout": "number",
-}
-
-
 @dataclass(frozen=True, slots=True)
 class SamplingArgs:
     """Type-checked sampling fields; `fields` are SamplingParams keyword arguments."""
@@ -155,20 +143,3 @@ def build_params(args: SamplingArgs, max_tokens: int, **extra: Any) -> list[Samp
 def check_max_tokens(value: int | None, allow_zero: bool, param: str = "max_tokens") -> None:
     if value == 0 and not allow_zero:
         raise APIError(400, f"{param} must be >= 1 (0 is allowed only with echo)", param=param)
-
-
-def parse_stream_options(body: dict[str, Any], stream: bool) -> bool:
-    """include_usage; stream_options without stream is a 400, as in vLLM."""
-    options = body.get("stream_options")
-    if options is None:
-        return False
-    if not stream:
-        raise bad_request("stream_options can only be set when stream is true",
-                          param="stream_options")
-    if not isinstance(options, dict):
-        raise bad_request("stream_options must be an object", param="stream_options")
-    usage = options.get("include_usage")
-    if usage is not None and not isinstance(usage, bool):
-        raise bad_request("stream_options.include_usage must be a boolean",
-                          param="stream_options")
-    return bool(usage)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -12,7 +13,10 @@ from starlette.requests import Request
 from api.errors import APIError, bad_request, from_engine_error, not_ready
 from api.lifecycle import Lifecycle
 from api.metrics import ServerMetrics
+from api.params import check_unicode
 from engine.protocol import EngineClient, EngineDeadError, EngineLimits
+
+logger = logging.getLogger("pagedserve.api")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -73,15 +77,24 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(prefix: str, given: str | None) -> tuple[str, str]:
+    """(the response's id, a unique prefix for its engine requests). A client's request_id
+    names the response (as vLLM's); the engine's ids stay unique even when clients reuse it."""
+    engine_id = new_request_id(prefix)
+    return (engine_id if given is None else f"{prefix}-{given}"), engine_id
+
+
 def now() -> int:
     return int(time.time())
 
 
 async def tokenize_text(engine: EngineClient, text: str, add_special_tokens: bool,
                         param: str, limits: EngineLimits | None = None) -> list[int]:
-    """engine.tokenize (off the event loop), with a text the tokenizer refuses (e.g. a lone
-    UTF-16 surrogate, which JSON allows) answered as a 400 instead of a 500. Given the
-    limits, a text too long to ever fit is refused before it is tokenized."""
+    """engine.tokenize (off the event loop). A text that is not valid Unicode (a lone UTF-16
+    surrogate, which JSON allows) is a 400 naming where it is; anything else the tokenizer
+    raises on is a 400 too, whose message does not echo the tokenizer's internals. Given
+    the limits, a text too long to ever fit is refused before it is tokenized."""
+    check_unicode(text, param)
     if limits is not None:
         check_text_fits(text, limits, param)
     try:
@@ -89,7 +102,8 @@ async def tokenize_text(engine: EngineClient, text: str, add_special_tokens: boo
     except EngineDeadError as e:
         raise from_engine_error(e, engine.stats()) from None
     except Exception as e:  # noqa: BLE001 - tokenizers raise various types on bad text
-        raise bad_request(f"{param} cannot be tokenized: {e}", param=param) from None
+        logger.warning("tokenizer refused a %s: %s: %s", param, type(e).__name__, e)
+        raise bad_request(f"{param} cannot be tokenized", param=param) from None
 
 
 def check_text_fits(text: str, limits: EngineLimits, param: str) -> None:

@@ -107,10 +107,18 @@ def test_malformed_bodies_are_400(client: TestClient, raw: bytes) -> None:
 
 
 def test_lone_surrogate_is_400(client: TestClient) -> None:
-    raw = b'{"prompt": "a\\ud800"}'  # valid JSON, but no tokenizer can encode it
-    assert_error(client.post("/v1/completions", content=raw), 400, "prompt")
+    """Valid JSON, but not Unicode text: a 400 that says so, naming where it is, without
+    the tokenizer's own exception text."""
+    raw = b'{"prompt": "a\\ud800"}'
+    error = assert_error(client.post("/v1/completions", content=raw), 400, "prompt")
+    assert error["message"] == ("prompt is not valid Unicode text: it contains a lone UTF-16 "
+                                "surrogate (U+D800) at character 1")
     raw = b'{"messages": [{"role": "user", "content": "\\udfff"}]}'
-    assert_error(client.post("/v1/chat/completions", content=raw), 400, "messages")
+    error = assert_error(client.post("/v1/chat/completions", content=raw), 400,
+                         "messages[0].content")
+    assert "surrogate" in error["message"] and "encode" not in error["message"]
+    raw = b'{"prompt": "\\ud800"}'
+    assert_error(client.post("/tokenize", content=raw), 400, "prompt")
 
 
 def test_unknown_fields_are_ignored(client: TestClient) -> None:

@@ -22,7 +22,8 @@ def test_chat_shape_and_template(engine: FakeEngine, client: TestClient) -> None
     prompt = engine.submitted[0].prompt
     assert prompt == engine.encode("<system>s\n<user>hi\n<assistant>", False)  # no extra BOS
     assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3,
-                             "total_tokens": len(prompt) + 3}
+                             "total_tokens": len(prompt) + 3,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_max_completion_tokens_wins_and_default_fills_context(engine: FakeEngine,

@@ -20,7 +20,8 @@ def test_plain_completion_shape(client: TestClient) -> None:
     assert body["model"] == "fake-model" and isinstance(body["created"], int)
     assert body["choices"] == [{"index": 0, "text": "abca", "logprobs": None,
                                 "finish_reason": "length", "stop_reason": None}]
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_default_max_tokens_is_16_and_null_fills_context(engine: FakeEngine,

@@ -1,0 +1,83 @@
+"""JSON schemas of the responses, for /openapi.json (so a schema-driven tester such as
+schemathesis checks what comes back, not only what goes in). They describe api/responses.py's
+shapes; tests/api/test_schemathesis.py holds real responses against them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_INT = {"type": "integer", "minimum": 0}
+_STR = {"type": "string"}
+_NUM = {"type": "number"}
+_NULL = {"type": "null"}
+
+
+def _obj(required: dict[str, Any], optional: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"type": "object", "required": list(required),
+            "properties": {**required, **(optional or {})}}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, _NULL]}
+
+
+USAGE = _obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT},
+             {"prompt_tokens_details": _obj({"cached_tokens": _INT})})
+FINISH = {"enum": ["stop", "length", "abort", "timeout", None]}
+STOP_REASON = {"type": ["integer", "string", "null"]}
+
+COMPLETION_LOGPROBS = _obj({
+    "tokens": {"type": "array", "items": _STR},
+    "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+    "top_logprobs": {"type": "array", "items": _nullable(
+        {"type": "object", "additionalProperties": _NUM})},
+    "text_offset": {"type": "array", "items": _INT}})
+
+PROMPT_LOGPROBS = {"type": "array", "items": _nullable({
+    "type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": _obj({"logprob": _NUM, "rank": {"type": "integer", "minimum": 1},
+                                  "decoded_token": {"type": ["string", "null"]}})})}
+
+_CHAT_TOP = _obj({"token": _STR, "logprob": _NUM, "bytes": {"type": "array", "items": _INT}})
+CHAT_LOGPROBS = _obj({"content": {"type": "array", "items": _obj({
+    **_CHAT_TOP["properties"], "top_logprobs": {"type": "array", "items": _CHAT_TOP}})}})
+
+
+def _envelope(obj: str, choice: dict[str, Any], extra: dict[str, Any] | None = None,
+              ) -> dict[str, Any]:
+    return _obj({"id": _STR, "object": {"const": obj}, "created": _INT, "model": _STR,
+                 "choices": {"type": "array", "items": choice}, "usage": USAGE}, extra)
+
+
+COMPLETION = _envelope("text_completion", _obj({
+    "index": _INT, "text": _STR, "logprobs": _nullable(COMPLETION_LOGPROBS),
+    "finish_reason": FINISH}, {"stop_reason": STOP_REASON, "prompt_logprobs": PROMPT_LOGPROBS}))
+
+CHAT_COMPLETION = _envelope("chat.completion", _obj({
+    "index": _INT, "message": _obj({"role": {"const": "assistant"}, "content": _STR}),
+    "logprobs": _nullable(CHAT_LOGPROBS), "finish_reason": FINISH},
+    {"stop_reason": STOP_REASON}), {"prompt_logprobs": PROMPT_LOGPROBS})
+
+MODEL_LIST = _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj({
+    "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},
+    {"max_model_len": {"type": ["integer", "null"]}})}})
+
+TOKENIZE = _obj({"count": _INT, "max_model_len": _INT,
+                 "tokens": {"type": "array", "items": _INT}})
+DETOKENIZE = _obj({"prompt": _STR})
+
+ERROR = _obj({"error": _obj({"message": _STR, "type": _STR,
+                             "param": {"type": ["string", "null"]},
+                             "code": {"type": ["string", "null"]}})})
+
+# The SSE body of a streamed response: text/event-stream, one `data:` line per chunk.
+EVENT_STREAM = {"type": "string"}
+
+
+def json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def generation_content(schema: dict[str, Any]) -> dict[str, Any]:
+    """A generation route's 200: JSON, or server-sent events when stream is true."""
+    return {**json_content(schema), "text/event-stream": {"schema": EVENT_STREAM}}
