@@ -76,10 +76,18 @@ def plausible(model: str, vocab: int, chat: bool) -> dict[str, st.SearchStrategy
 
 
 def typed(spec: dict[str, Any]) -> st.SearchStrategy[Any]:
-    """A value of the documented JSON type (oneOf: any of them), boundaries included."""
-    if "oneOf" in spec:
-        return st.one_of([typed(s) for s in spec["oneOf"]])
+    """A value of the documented JSON type (anyOf / a list of types: any of them), boundaries
+    included; constraints are ignored on purpose (boundary values probe them)."""
+    for key in ("oneOf", "anyOf"):
+        if key in spec:
+            return st.one_of([typed(s) for s in spec[key]])
+    if "const" in spec or "enum" in spec:
+        return st.sampled_from(spec["enum"] if "enum" in spec else [spec["const"]])
     kind = spec.get("type")
+    if isinstance(kind, list):
+        return st.one_of([typed({**spec, "type": k}) for k in kind])
+    if kind == "null":
+        return st.none()
     if kind == "integer":
         return st.one_of(st.integers(-10, 300), st.sampled_from(BOUNDARY_INTS))
     if kind == "number":

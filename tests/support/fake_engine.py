@@ -66,6 +66,7 @@ class FakeEngine:
         self.finish_rate: float | None = None  # EngineStats: drain rate and queue, for 429s
         self.num_waiting = 0
         self.shut_down = False
+        self.cached_tokens = 0  # reported as each request's prefix-cache hit (num_cached_tokens)
 
     @property
     def limits(self) -> EngineLimits | None:
@@ -175,7 +176,8 @@ class _Run:
         # An empty delta with the prompt, like a prefill chunk: the API must not emit it.
         yield RequestOutput(self.rid, (), "", prompt_token_ids=tuple(self.ids),
                             prompt_logprobs=self._prompt_logprobs(),
-                            num_prompt_tokens=len(self.ids))
+                            num_prompt_tokens=len(self.ids),
+                            num_cached_tokens=self.e.cached_tokens)
         if self.p.max_tokens == 0:
             yield self._out((), "", "length", None, 0)
             return
@@ -220,6 +222,7 @@ class _Run:
         return RequestOutput(self.rid, ids, text, finish_reason=finish, stop_reason=stop,
                              logprobs=lps, num_prompt_tokens=len(self.ids),
                              num_output_tokens=produced,
+                             num_cached_tokens=self.e.cached_tokens,
                              queue_time=0.001 if finish else None)
 
     def _lp(self, t: int, n: int | None = None) -> TokenLogprobs:
