@@ -32,6 +32,16 @@ def _described(fields: dict[str, Field]) -> dict[str, dict[str, Any]]:
     return out
 
 
+# A documented example per POST route (schema-driven testers replay them first).
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"prompt": "The capital of France is", "max_tokens": 8,
+                        "temperature": 0},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Say hello."}],
+                             "max_tokens": 8},
+    "/tokenize": {"prompt": "Hello world"},
+    "/detokenize": {"tokens": [1, 2, 3]},
+}
+
 # (method, path, summary, request field schemas or None, required fields, 200 content)
 ROUTES: list[tuple[str, str, str, dict[str, dict[str, Any]] | None, tuple[str, ...],
                    dict[str, Any]]] = [
@@ -51,21 +61,25 @@ ROUTES: list[tuple[str, str, str, dict[str, dict[str, Any]] | None, tuple[str, .
 ]
 
 
-def _request_body(fields: dict[str, dict[str, Any]], required: tuple[str, ...]) -> dict[str, Any]:
+def _request_body(fields: dict[str, dict[str, Any]], required: tuple[str, ...],
+                  example: dict[str, Any] | None) -> dict[str, Any]:
     # Unknown fields are ignored (with a warning), as OpenAI's and vLLM's servers do.
     schema = {"type": "object", "properties": fields, "required": list(required),
               "additionalProperties": True}
-    return {"required": True, "content": s.json_content(schema)}
+    content = s.json_content(schema)
+    if example is not None:
+        content["application/json"]["example"] = example
+    return {"required": True, "content": content}
 
 
-def _operation(summary: str, fields: dict[str, dict[str, Any]] | None,
+def _operation(path: str, summary: str, fields: dict[str, dict[str, Any]] | None,
                required: tuple[str, ...], ok: dict[str, Any]) -> dict[str, Any]:
     success: dict[str, Any] = {"description": "OK"}
     if ok:
         success["content"] = ok
     op: dict[str, Any] = {"summary": summary, "responses": {"200": success}}
     if fields is not None:
-        op["requestBody"] = _request_body(fields, required)
+        op["requestBody"] = _request_body(fields, required, EXAMPLES.get(path))
     for status, why in ERROR_STATUSES.items():
         op["responses"][status] = {"description": why, "content": s.json_content(
             {"$ref": "#/components/schemas/Error"})}
@@ -75,7 +89,7 @@ def _operation(summary: str, fields: dict[str, dict[str, Any]] | None,
 def build_openapi(title: str, version: str) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for method, path, summary, fields, required, ok in ROUTES:
-        paths.setdefault(path, {})[method] = _operation(summary, fields, required, ok)
+        paths.setdefault(path, {})[method] = _operation(path, summary, fields, required, ok)
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
             "components": {"schemas": {"Error": s.ERROR}}}
 

@@ -115,7 +115,7 @@ class Live:
 @contextmanager
 def live_server(runner: ModelRunner, *, api_key: str | None = None, delay: float = 0.0,
                 shutdown_timeout: float = 10.0, stuck_after_s: float = STUCK_AFTER_S,
-                **scheduler: Any) -> Iterator[Live]:
+                request_timeout: float | None = None, **scheduler: Any) -> Iterator[Live]:
     """Serve `runner` (shared, already loaded) on 127.0.0.1 with an ephemeral port, the way
     the CLI does (api.cli.run_serving), from a thread of the test's. Steps go through a
     FaultyRunner that sleeps `delay` s each."""
@@ -127,7 +127,7 @@ def live_server(runner: ModelRunner, *, api_key: str | None = None, delay: float
     faulty = FaultyRunner(runner, delay=delay)
     engine = AsyncEngine(cfg, LLMEngine(cfg, runner=faulty),  # type: ignore[arg-type]
                          stuck_after_s=stuck_after_s)
-    app = create_app(engine, api_key=api_key)
+    app = create_app(engine, api_key=api_key, request_timeout=request_timeout)
     http = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"),
                           AppState.of_app(app).lifecycle, shutdown_timeout)
     thread = threading.Thread(target=run_serving, args=(engine, http), daemon=True)

@@ -1,0 +1,102 @@
+"""schemathesis against the real stack (uvicorn + AsyncEngine + the tiny Llama on 127.0.0.1),
+driven by the server's own /openapi.json: a bounded, derandomized run per operation.
+
+Positive cases (schema-valid bodies) and negative ones (schema-violating bodies) are sent;
+every response must be no 5xx, have a documented status and content type, and match its
+documented schema; a negative body must be refused. The run must reach generation: some
+generated completions answer 200 (test_fuzz.py does the wide, fast fuzzing on a fake
+engine; this checks the document against a real model's answers).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode, checks
+from schemathesis.core.result import Ok
+from schemathesis.core.transport import Response
+
+from tests.support.livetools import Live, live_server
+from tests.support.models import build_checkpoint, loaded_runner, tiny_config
+
+# Examples per operation and mode: the run takes ~20 s on 2 cores (after ~12 s of set-up).
+EXAMPLES = {"/v1/completions": 30, "/v1/chat/completions": 30}
+OTHER_EXAMPLES = 8
+CHECKS = [checks.not_a_server_error, checks.status_code_conformance,
+          checks.content_type_conformance, checks.response_schema_conformance]
+# A schema-valid request may still ask for minutes of decoding (n up to 128, max_tokens up
+# to the context); generated requests are bounded to keep the run short (still valid), and
+# the server's --request-timeout cuts whatever slips through (finish_reason "timeout").
+BOUNDS = {"n": 2, "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    folder: Path = build_checkpoint(tmp_path_factory.mktemp("tiny-llama-st"), "llama")
+    runner = loaded_runner(tiny_config(folder))
+    with live_server(runner, request_timeout=2.0, max_model_len=64) as server:
+        yield server
+
+
+def bounded(case: schemathesis.Case) -> schemathesis.Case:
+    if isinstance(case.body, dict):
+        for name, cap in BOUNDS.items():
+            value = case.body.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+                case.body[name] = cap
+    return case
+
+
+def run(live: Live, operation: Any, mode: GenerationMode, examples: int) -> Counter[int]:
+    statuses: Counter[int] = Counter()
+    strategy = operation.as_strategy(generation_mode=mode)
+    if mode is GenerationMode.POSITIVE:
+        strategy = strategy.map(bounded)
+    wanted = [*CHECKS, checks.negative_data_rejection] if mode is GenerationMode.NEGATIVE \
+        else CHECKS
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def one(case: schemathesis.Case) -> None:
+        response: Response = case.call(base_url=live.url, timeout=30)
+        statuses[response.status_code] += 1
+        case.validate_response(response, checks=wanted)
+
+    one()
+    return statuses
+
+
+def test_schemathesis_conformance_and_generation(live: Live) -> None:
+    document = httpx.get(live.url + "/openapi.json", timeout=10).json()
+    schema = schemathesis.openapi.from_dict(document)
+    seen: dict[str, Counter[int]] = {}
+    for result in schema.get_all_operations():
+        assert isinstance(result, Ok), result  # the document itself is valid
+        operation = result.ok()
+        path = operation.path
+        n = EXAMPLES.get(path, OTHER_EXAMPLES)
+        seen[f"{operation.method.upper()} {path}"] = run(
+            live, operation, GenerationMode.POSITIVE, n)
+        if operation.method.lower() == "post":
+            seen[f"{path} negative"] = run(live, operation, GenerationMode.NEGATIVE, n // 2)
+            # The documented example: a plain request that must succeed.
+            example = operation.definition.raw["requestBody"]["content"]["application/json"][
+                "example"]
+            case = schema.make_case(operation=operation, body=example,
+                                    media_type="application/json")
+            response = case.call(base_url=live.url, timeout=30)
+            assert response.status_code == 200, (path, response.text)
+            case.validate_response(response, checks=CHECKS)
+    generated_ok = seen["POST /v1/completions"][200] + seen["POST /v1/chat/completions"][200]
+    assert generated_ok >= 3, seen  # generation was reached, not only validation
+    assert all(s < 500 for counts in seen.values() for s in counts), seen
+    live.wait_idle(timeout=10)
