@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import bad_request
+from api.options import MAX_REQUEST_ID
 from api.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_TOKEN_IDS
 
 logger = logging.getLogger("pagedserve.api")
@@ -131,7 +132,7 @@ FIELDS: tuple[Field, ...] = (
     Field("return_tokens_as_token_ids", _t("boolean")),
     Field("add_special_tokens", _t("boolean")),
     Field("priority", _t("integer", **INT64)),
-    Field("request_id", _t("string", minLength=1, maxLength=256)),
+    Field("request_id", _t("string", minLength=1, maxLength=MAX_REQUEST_ID)),
     Field("timeout", _t("number", exclusiveMinimum=0),
           note="pagedserve extension: seconds from arrival"),
     Field("length_penalty", _t("number"), Status.NO_EFFECT,
@@ -143,12 +144,12 @@ FIELDS: tuple[Field, ...] = (
     _owned("structured_outputs", _t("object")),
     _owned("guided_json", _any_of({"type": "string"}, {"type": "object"})),
     _owned("guided_regex", _t("string")),
-    _owned("guided_choice", _t("array", items={"type": "string"})),
+    _owned("guided_choice", _t("array")),
     _owned("guided_grammar", _t("string")),
     _owned("guided_decoding_backend", _t("string")),
     _owned("guided_whitespace_pattern", _t("string")),
     _owned("structural_tag", _t("string")),
-    _owned("tools", _t("array", items={"type": "object"}), frozenset({CHAT})),
+    _owned("tools", _t("array"), frozenset({CHAT})),
     _owned("tool_choice", _any_of({"type": "string"}, {"type": "object"}), frozenset({CHAT})),
     _owned("parallel_tool_calls", _t("boolean"), frozenset({CHAT})),
     _owned("chat_template", _t("string"), frozenset({CHAT})),
@@ -224,9 +225,10 @@ def check_fields(body: dict[str, Any], route: str) -> None:
         if spec.status is Status.REFUSED and not is_inert(spec, value):
             raise bad_request(f"{name} is not supported by this server ({spec.note})",
                               param=name)
-        if spec.status is Status.NO_EFFECT and not _has_type(value, spec.schema["type"]):
-            raise bad_request(f"{name} must be of type {' or '.join(spec.schema['type'])}",
-                              param=name)
+        # Fields parsed elsewhere (or not at all) still get their JSON type checked here.
+        kinds = json_types(spec.schema)
+        if spec.status in (Status.NO_EFFECT, Status.OWNED) and not _has_type(value, kinds):
+            raise bad_request(f"{name} must be of type {' or '.join(kinds)}", param=name)
     warn_unknown(body, known, _PATHS[route])
 
 
@@ -238,6 +240,14 @@ def is_inert(spec: Field, value: Any) -> bool:
 _PY_TYPES: dict[str, tuple[type, ...]] = {
     "boolean": (bool,), "string": (str,), "object": (dict,), "array": (list,),
     "integer": (int,), "number": (int, float), "null": (type(None),)}
+
+
+def json_types(schema: dict[str, Any]) -> list[str]:
+    """The JSON types a schema allows at its top level ("type", or its anyOf branches')."""
+    if "anyOf" in schema:
+        return [k for branch in schema["anyOf"] for k in json_types(branch)]
+    kind = schema.get("type", [])
+    return [kind] if isinstance(kind, str) else list(kind)
 
 
 def _has_type(value: Any, kinds: list[str]) -> bool:

@@ -31,8 +31,19 @@ def parse_options(body: dict[str, Any], stream: bool, add_special_tokens: bool) 
         truncate_prompt_tokens=parse_truncate(body),
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
         add_special_tokens=get_bool(body, "add_special_tokens", add_special_tokens),
-        request_id=get_str(body, "request_id"),
+        request_id=parse_request_id(body),
         include_usage=include, continuous_usage=include and continuous)
+
+
+MAX_REQUEST_ID = 256  # characters: it is echoed in every chunk of the response
+
+
+def parse_request_id(body: dict[str, Any]) -> str | None:
+    rid = get_str(body, "request_id")
+    if rid is not None and not 0 < len(rid) <= MAX_REQUEST_ID:
+        raise bad_request(f"request_id must have 1 to {MAX_REQUEST_ID} characters",
+                          param="request_id")
+    return rid
 
 
 def parse_prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:

@@ -69,7 +69,9 @@ def _message(value: Any, where: str) -> dict[str, Any]:
     check_unicode(content, f"{where}.content")
     message: dict[str, Any] = {"role": role, "content": content}
     for key in ("name", "tool_call_id"):
-        if isinstance(value.get(key), str):
+        if value.get(key) is not None:
+            if not isinstance(value[key], str):
+                raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
             message[key] = value[key]
     return message
 

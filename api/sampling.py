@@ -98,12 +98,13 @@ def parse_logit_bias(value: Any) -> dict[int, float]:
         raise bad_request(f"logit_bias accepts at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
     bias: dict[int, float] = {}
     for key, b in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
-                              param="logit_bias") from None
-        bias[check_int(token, "logit_bias", 0)] = get_float({"logit_bias": b}, "logit_bias", 0.0)
+        # ASCII digits only: int() would also take " 5", "+5", "1_0" or non-ASCII digits.
+        # (and a 5000-digit key would make int() raise).
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}",
+                              param="logit_bias")
+        bias[check_int(int(key), "logit_bias", 0)] = get_float({"logit_bias": b}, "logit_bias",
+                                                               0.0)
     return bias
 
 

@@ -180,3 +180,16 @@ def test_detokenize_and_tokenize_refuse_a_null_model(client: TestClient) -> None
     assert_error(client.post("/detokenize", json={"model": None, "tokens": [5]}), 400, "model")
     assert_error(client.post("/tokenize", json={"model": None, "prompt": "a"}), 400, "model")
     assert client.post("/detokenize", json={"tokens": [tok("a")]}).json() == {"prompt": "a"}
+
+
+@pytest.mark.parametrize(("route", "extra", "param"), [
+    (CMPL, {"logit_bias": {" 5": 1}}, "logit_bias"),  # int() takes it; the schema does not
+    (CMPL, {"logit_bias": {"\uff15": 1}}, "logit_bias"),  # a fullwidth digit
+    (CMPL, {"request_id": ""}, "request_id"),
+    (CMPL, {"request_id": "x" * 257}, "request_id"),
+    (CHAT, {"messages": [{"role": "user", "content": "a", "name": 5}]}, "messages[0].name"),
+    (CHAT, {"tool_choice": 5}, "tool_choice"),  # owned elsewhere: its JSON type is checked
+])
+def test_what_the_document_forbids_is_refused(client: TestClient, route: str,
+                                              extra: dict[str, Any], param: str) -> None:
+    assert_error(client.post(PATHS[route], json={**BASE[route], **extra}), 400, param)
