@@ -201,6 +201,10 @@ FIELDS: tuple[Field, ...] = (
     Field("metadata", _t("object"), Status.NO_EFFECT, routes=frozenset({CHAT}),
           note="nothing is stored"),
     Field("service_tier", _t("string"), Status.NO_EFFECT, note="one tier"),
+    Field("prompt_cache_key", _t("string"), Status.NO_EFFECT, routes=frozenset({CHAT}),
+          note="the prefix cache needs no key (vLLM ignores it too)"),
+    Field("safety_identifier", _t("string"), Status.NO_EFFECT, routes=frozenset({CHAT}),
+          note="no per-user policy"),
 )
 
 
