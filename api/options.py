@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import bad_request
-from api.params import get_bool, get_int, get_str
+from api.params import check_unicode, get_bool, get_int, get_str
 from api.sampling import MAX_LOGPROBS
 
 
@@ -40,9 +40,12 @@ MAX_REQUEST_ID = 256  # characters: it is echoed in every chunk of the response
 
 def parse_request_id(body: dict[str, Any]) -> str | None:
     rid = get_str(body, "request_id")
-    if rid is not None and not 0 < len(rid) <= MAX_REQUEST_ID:
+    if rid is None:
+        return None
+    if not 0 < len(rid) <= MAX_REQUEST_ID:
         raise bad_request(f"request_id must have 1 to {MAX_REQUEST_ID} characters",
                           param="request_id")
+    check_unicode(rid, "request_id")  # it goes back out in the response's id
     return rid
 
 

@@ -5,6 +5,7 @@ stream_options.continuous_usage_stats and usage.prompt_tokens_details.cached_tok
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -187,9 +188,11 @@ def test_detokenize_and_tokenize_refuse_a_null_model(client: TestClient) -> None
     (CMPL, {"logit_bias": {"\uff15": 1}}, "logit_bias"),  # a fullwidth digit
     (CMPL, {"request_id": ""}, "request_id"),
     (CMPL, {"request_id": "x" * 257}, "request_id"),
+    (CHAT, {"request_id": "\ud800"}, "request_id"),  # echoed in the id: must be encodable
     (CHAT, {"messages": [{"role": "user", "content": "a", "name": 5}]}, "messages[0].name"),
     (CHAT, {"tool_choice": 5}, "tool_choice"),  # owned elsewhere: its JSON type is checked
 ])
 def test_what_the_document_forbids_is_refused(client: TestClient, route: str,
                                               extra: dict[str, Any], param: str) -> None:
-    assert_error(client.post(PATHS[route], json={**BASE[route], **extra}), 400, param)
+    raw = json.dumps({**BASE[route], **extra}).encode()  # ASCII: "\\ud800" stays escaped
+    assert_error(client.post(PATHS[route], content=raw), 400, param)
