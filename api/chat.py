@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -50,10 +50,10 @@ async def create_chat_completion(request: Request) -> Response:
                                 app.metrics, app.lifecycle)
     head = (shown_id, now(), app.served_model_name)
     if req.stream:
-        return sse_response(_events(stream, req, len(prompt), head), stream.close)
+        return sse_response(_events(stream, req, prompt, head), stream.close)
     try:
         body = await run_unless_disconnected(request.receive,
-                                             _collect(stream, req, len(prompt), head))
+                                             _collect(stream, req, prompt, head))
     finally:
         await stream.close()
     return JSONResponse(body) if body is not None else Response(status_code=CLIENT_CLOSED)
@@ -97,17 +97,27 @@ def _usage(prompt_len: int, states: list[ChoiceState]) -> dict[str, Any]:
     return usage(prompt_len, sum(s.num_tokens for s in states), states[0].cached_tokens)
 
 
-async def _collect(stream: MergedStream, req: ChatRequest, prompt_len: int,
+async def _collect(stream: MergedStream, req: ChatRequest, prompt: list[int],
                    head: tuple[str, int, str]) -> dict[str, Any]:
     states = [ChoiceState() for _ in range(req.sampling.n)]
     async for i, out in stream:
         states[i].add(out)
-    choices = [chat_choice(i, s, _logprobs(req, s.logprobs)) for i, s in enumerate(states)]
+    choices = [_with_ids(req, chat_choice(i, s, _logprobs(req, s.logprobs)), s.token_ids)
+               for i, s in enumerate(states)]
     body = envelope(*head, obj="chat.completion", choices=choices,
-                    usage_=_usage(prompt_len, states))
+                    usage_=_usage(len(prompt), states))
     if req.options.prompt_logprobs is not None:  # vLLM: once, on the response
         body["prompt_logprobs"] = prompt_logprobs(states[0].prompt_logprobs or ())
+    if req.options.token_ids:
+        body["prompt_token_ids"] = prompt
     return body
+
+
+def _with_ids(req: ChatRequest, choice: dict[str, Any], ids: Sequence[int]) -> dict[str, Any]:
+    """return_token_ids: the choice's generated ids (in a stream: this chunk's)."""
+    if req.options.token_ids:
+        choice["token_ids"] = list(ids)
+    return choice
 
 
 def _chunk_usage(req: ChatRequest, prompt_len: int, num_tokens: int) -> dict[str, Any] | None:
@@ -115,23 +125,28 @@ def _chunk_usage(req: ChatRequest, prompt_len: int, num_tokens: int) -> dict[str
     return usage(prompt_len, num_tokens) if req.options.continuous_usage else None
 
 
-async def _events(stream: MergedStream, req: ChatRequest, prompt_len: int,
+async def _events(stream: MergedStream, req: ChatRequest, prompt: list[int],
                   head: tuple[str, int, str]) -> AsyncGenerator[dict[str, Any], None]:
     states = [ChoiceState() for _ in range(req.sampling.n)]
+    prompt_len = len(prompt)
     try:
         for i in range(req.sampling.n):  # OpenAI opens each choice with the role alone
             role = chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
-            yield envelope(*head, obj=CHUNK, choices=[role],
-                           usage_=_chunk_usage(req, prompt_len, 0))
+            chunk = envelope(*head, obj=CHUNK, choices=[role],
+                             usage_=_chunk_usage(req, prompt_len, 0))
+            if req.options.token_ids:  # vLLM: on the opening chunks
+                chunk["prompt_token_ids"] = prompt
+            yield chunk
         async for i, out in stream:
             states[i].add(out)
             entries = token_entries(out)
-            if not out.new_text and not entries and not out.finished:
+            ids_due = req.options.token_ids and out.new_token_ids
+            if not out.new_text and not entries and not out.finished and not ids_due:
                 continue  # nothing to say yet (prefill chunk, held-back partial text)
             delta = {"content": out.new_text} if out.new_text or not out.finished else {}
             choice = chat_chunk_choice(i, delta, _logprobs(req, entries), out.finish_reason,
                                        out.stop_reason)
-            yield envelope(*head, obj=CHUNK, choices=[choice],
+            yield envelope(*head, obj=CHUNK, choices=[_with_ids(req, choice, out.new_token_ids)],
                            usage_=_chunk_usage(req, prompt_len, states[i].num_tokens))
         if req.options.include_usage:
             yield envelope(*head, obj=CHUNK, choices=[], usage_=_usage(prompt_len, states))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +78,7 @@ async def _prepare(app: AppState, prompt: Prompt, req: CompletionRequest) -> _Gr
     else:
         ids = prompt
     kept = truncate(ids, opts, app.limits().max_model_len, req.sampling.max_tokens)
-    if not req.echo:
+    if not req.echo or opts.token_ids:  # vLLM: with return_token_ids the ids are the echo
         return _Group(kept, "")
     if isinstance(prompt, str) and len(kept) == len(ids):
         return _Group(kept, prompt)
@@ -147,17 +147,27 @@ async def _collect(stream: MergedStream, req: CompletionRequest, groups: list[_G
         text, new_entries = await _delta(engine, req, groups[i // n], states[i], out)
         texts[i].append(text)
         entries[i].extend(new_entries)
-    choices = [_choice(req, i, "".join(texts[i]), _logprobs(req, entries[i], 0), s)
-               for i, s in enumerate(states)]
+    choices = [_choice(req, i, "".join(texts[i]), _logprobs(req, entries[i], 0), s,
+                       groups[i // n]) for i, s in enumerate(states)]
     return envelope(meta.id, meta.created, meta.model, "text_completion", choices,
                     _usage(groups, states, n))
 
 
 def _choice(req: CompletionRequest, i: int, text: str, logprobs: dict[str, Any] | None,
-            state: ChoiceState) -> dict[str, Any]:
+            state: ChoiceState, group: _Group) -> dict[str, Any]:
     choice = completion_choice(i, text, logprobs, state)
     if _prompt_logprobs(req) is not None:  # vLLM returns them on each choice of the prompt
         choice["prompt_logprobs"] = prompt_logprobs(state.prompt_logprobs or ())
+    return _with_ids(req, choice, group.token_ids, state.token_ids)
+
+
+def _with_ids(req: CompletionRequest, choice: dict[str, Any], prompt_ids: list[int] | None,
+              ids: Sequence[int]) -> dict[str, Any]:
+    """return_token_ids: the prompt's ids (in a stream: on a choice's first chunk only) and
+    the generated ones (in a stream: this chunk's)."""
+    if req.options.token_ids:
+        choice["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = list(ids)
     return choice
 
 
@@ -180,15 +190,20 @@ async def _events(stream: MergedStream, req: CompletionRequest, groups: list[_Gr
     engine = stream.engine
     n = req.sampling.n
     states = [ChoiceState() for _ in range(len(groups) * n)]
+    started: set[int] = set()  # choices that sent a chunk
     try:
         async for i, out in stream:
             state = states[i]
             text, entries = await _delta(engine, req, groups[i // n], state, out)
-            if not text and not entries and not out.finished:
+            ids_due = req.options.token_ids and out.new_token_ids
+            if not text and not entries and not out.finished and not ids_due:
                 continue  # e.g. a prefill chunk or held-back partial text: nothing to say
             logprobs = _logprobs(req, entries, state.text_offset)
             state.text_offset += sum(len(tok) for tok, _ in entries)
-            choice = completion_choice(i, text, logprobs, state)
+            prompt_ids = None if i in started else groups[i // n].token_ids
+            started.add(i)
+            choice = _with_ids(req, completion_choice(i, text, logprobs, state), prompt_ids,
+                               out.new_token_ids)
             yield envelope(meta.id, meta.created, meta.model, "text_completion", [choice],
                            _chunk_usage(req, len(groups[i // n].token_ids), state))
         if req.options.include_usage:

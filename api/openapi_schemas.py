@@ -49,14 +49,19 @@ def _envelope(obj: str, choice: dict[str, Any], extra: dict[str, Any] | None = N
                  "choices": {"type": "array", "items": choice}, "usage": USAGE}, extra)
 
 
+TOKEN_IDS = {"type": "array", "items": _INT}  # return_token_ids
+
 COMPLETION = _envelope("text_completion", _obj({
     "index": _INT, "text": _STR, "logprobs": _nullable(COMPLETION_LOGPROBS),
-    "finish_reason": FINISH}, {"stop_reason": STOP_REASON, "prompt_logprobs": PROMPT_LOGPROBS}))
+    "finish_reason": FINISH}, {"stop_reason": STOP_REASON, "prompt_logprobs": PROMPT_LOGPROBS,
+                               "prompt_token_ids": _nullable(TOKEN_IDS),
+                               "token_ids": TOKEN_IDS}))
 
 CHAT_COMPLETION = _envelope("chat.completion", _obj({
     "index": _INT, "message": _obj({"role": {"const": "assistant"}, "content": _STR}),
     "logprobs": _nullable(CHAT_LOGPROBS), "finish_reason": FINISH},
-    {"stop_reason": STOP_REASON}), {"prompt_logprobs": PROMPT_LOGPROBS})
+    {"stop_reason": STOP_REASON, "token_ids": TOKEN_IDS}),
+    {"prompt_logprobs": PROMPT_LOGPROBS, "prompt_token_ids": TOKEN_IDS})
 
 MODEL_LIST = _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _obj({
     "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR},

@@ -1,6 +1,7 @@
 """vLLM's request options that shape the prompt and the response rather than sampling, shared
 by /v1/completions and /v1/chat/completions: prompt_logprobs, truncate_prompt_tokens,
-return_tokens_as_token_ids, add_special_tokens, request_id and stream_options."""
+return_tokens_as_token_ids, return_token_ids, add_special_tokens, request_id and
+stream_options."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class Options:
     prompt_logprobs: int | None  # top-N per prompt token, returned in the response
     truncate_prompt_tokens: int | None  # keep the last k prompt tokens; -1: as many as fit
     tokens_as_ids: bool  # logprobs tokens as "token_id:N"
+    token_ids: bool  # return_token_ids: the prompt's and each choice's token ids
     add_special_tokens: bool  # BOS etc. on top of the text (or of the chat template)
     request_id: str | None  # the response id's suffix (vLLM's request_id)
     include_usage: bool  # stream: a usage chunk before [DONE]
@@ -30,6 +32,7 @@ def parse_options(body: dict[str, Any], stream: bool, add_special_tokens: bool) 
         prompt_logprobs=parse_prompt_logprobs(body, stream),
         truncate_prompt_tokens=parse_truncate(body),
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
+        token_ids=get_bool(body, "return_token_ids", False),
         add_special_tokens=get_bool(body, "add_special_tokens", add_special_tokens),
         request_id=parse_request_id(body),
         include_usage=include, continuous_usage=include and continuous)

@@ -30,6 +30,7 @@ class ChoiceState:
     prompt_seen: bool = False
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None  # when asked for
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    token_ids: list[int] = field(default_factory=list)  # generated, stop token included
 
     def add(self, out: RequestOutput) -> None:
         self.prompt_seen = self.prompt_seen or out.prompt_token_ids is not None
@@ -38,6 +39,7 @@ class ChoiceState:
         self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
         self.text.append(out.new_text)
         self.num_tokens += len(out.new_token_ids)
+        self.token_ids.extend(out.new_token_ids)
         self.logprobs.extend(token_entries(out))
         if out.finished:
             self.finish_reason = out.finish_reason

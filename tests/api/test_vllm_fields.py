@@ -196,3 +196,24 @@ def test_what_the_document_forbids_is_refused(client: TestClient, route: str,
                                               extra: dict[str, Any], param: str) -> None:
     raw = json.dumps({**BASE[route], **extra}).encode()  # ASCII: "\\ud800" stays escaped
     assert_error(client.post(PATHS[route], content=raw), 400, param)
+
+
+def test_return_token_ids(engine: FakeEngine, client: TestClient) -> None:
+    a, b = tok("a"), tok("b")
+    body = {"prompt": [a, b], "max_tokens": 3, "return_token_ids": True}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == [a, b] and choice["token_ids"] == [a, b, a]
+    echoed = client.post("/v1/completions", json={**body, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == "aba"  # vLLM: the ids stand for the echoed prompt
+    chunks = sse_json(client.post("/v1/completions", json={**body, "stream": True}).text)
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[a], [b], [a]]
+    assert [c["choices"][0]["prompt_token_ids"] for c in chunks] == [[a, b], None, None]
+    chat = {**BASE[CHAT], "max_tokens": 2, "return_token_ids": True}
+    r = client.post("/v1/chat/completions", json=chat).json()
+    prompt = engine.submitted[-1].prompt
+    assert r["prompt_token_ids"] == prompt and r["choices"][0]["token_ids"] == list(prompt[:2])
+    chunks = sse_json(client.post("/v1/chat/completions", json={**chat, "stream": True}).text)
+    assert chunks[0]["prompt_token_ids"] == prompt  # on the opening role chunk
+    assert [c["choices"][0]["token_ids"] for c in chunks[1:]] == [[prompt[0]], [prompt[1]]]
+    plain = client.post("/v1/completions", json={"prompt": "ab"}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain

@@ -86,3 +86,15 @@ def test_truncation_feeds_the_model_the_last_tokens(live: Live) -> None:
     assert cut["usage"]["prompt_tokens"] == 6
     assert cut["choices"][0]["text"] == direct["choices"][0]["text"]
     live.wait_idle()
+
+
+def test_return_token_ids_are_what_was_generated(live: Live) -> None:
+    body = {"prompt": PROMPT[:8], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    r = post(live, "/v1/completions", body)
+    choice = r["choices"][0]
+    assert choice["prompt_token_ids"] == PROMPT[:8]
+    assert len(choice["token_ids"]) == r["usage"]["completion_tokens"] == 6
+    text = post(live, "/detokenize", {"tokens": choice["token_ids"]})["prompt"]
+    assert text == choice["text"]
+    live.wait_idle()
