@@ -104,6 +104,8 @@ async def _collect(stream: MergedStream, req: ChatRequest, prompt: list[int],
         states[i].add(out)
     choices = [_with_ids(req, chat_choice(i, s, _logprobs(req, s.logprobs)), s.token_ids)
                for i, s in enumerate(states)]
+    for choice in choices:  # echo: the answer continues the assistant's last message
+        choice["message"]["content"] = req.echo + choice["message"]["content"]
     body = envelope(*head, obj="chat.completion", choices=choices,
                     usage_=_usage(len(prompt), states))
     if req.options.prompt_logprobs is not None:  # vLLM: once, on the response
@@ -137,6 +139,10 @@ async def _events(stream: MergedStream, req: ChatRequest, prompt: list[int],
             if req.options.token_ids:  # vLLM: on the opening chunks
                 chunk["prompt_token_ids"] = prompt
             yield chunk
+        for i in range(req.sampling.n if req.echo else 0):  # vLLM: the echo, as a chunk
+            echo = chat_chunk_choice(i, {"content": req.echo}, None, None)
+            yield envelope(*head, obj=CHUNK, choices=[echo],
+                           usage_=_chunk_usage(req, prompt_len, 0))
         async for i, out in stream:
             states[i].add(out)
             entries = token_entries(out)

@@ -19,6 +19,7 @@ class ChatRequest:
     model: str | None
     messages: list[dict[str, Any]]  # normalized: content is always a string
     add_generation_prompt: bool
+    echo: str  # vLLM's echo: the last message's content when it is the assistant's, else ""
     sampling: SamplingArgs
     logprobs: int | None  # top-N per token when logprobs=true, else None
     stream: bool
@@ -40,9 +41,15 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     return ChatRequest(
         model=get_str(body, "model"), messages=messages,
         add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+        echo=_echo(messages) if get_bool(body, "echo", False) else "",
         sampling=parse_sampling(body, max_tokens), logprobs=_parse_logprobs(body),
         stream=stream, options=parse_options(body, stream, add_special_tokens=False),
     )
+
+
+def _echo(messages: list[dict[str, Any]]) -> str:
+    last = messages[-1]
+    return str(last["content"]) if last["role"] == "assistant" else ""
 
 
 def _parse_logprobs(body: dict[str, Any]) -> int | None:

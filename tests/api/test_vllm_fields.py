@@ -217,3 +217,16 @@ def test_return_token_ids(engine: FakeEngine, client: TestClient) -> None:
     assert [c["choices"][0]["token_ids"] for c in chunks[1:]] == [[prompt[0]], [prompt[1]]]
     plain = client.post("/v1/completions", json={"prompt": "ab"}).json()["choices"][0]
     assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def test_chat_echo_prepends_the_assistants_last_message(client: TestClient) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: "}]
+    body = {"messages": messages, "max_tokens": 2, "echo": True}
+    content = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"][
+        "content"]
+    assert content.startswith("Sure: ") and len(content) == len("Sure: ") + 2
+    chunks = sse_json(client.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    assert chunks[1]["choices"][0]["delta"] == {"content": "Sure: "}  # after the role chunk
+    user_last = {"messages": messages[:1], "max_tokens": 2, "echo": True}
+    assert len(client.post("/v1/chat/completions", json=user_last).json()["choices"][0][
+        "message"]["content"]) == 2  # nothing to echo
