@@ -71,13 +71,18 @@ def _owned(name: str, schema: dict[str, Any], routes: frozenset[str] = BOTH) -> 
     return Field(name, schema, Status.OWNED, routes)
 
 
-_MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"enum": ["system", "developer", "user", "assistant", "tool", "function"]},
-    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {
-        "type": "object", "required": ["type", "text"],
-        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}},
-        {"type": "null"}]},
-    "name": {"type": "string"}, "tool_call_id": {"type": "string"}}}
+_PARTS = {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}
+_NAMES = {"name": {"type": ["string", "null"]}, "tool_call_id": {"type": ["string", "null"]}}
+# Every role needs content but the assistant's, which may be null (a tool-call turn).
+_MESSAGE = {"anyOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "developer", "user", "tool", "function"]},
+        "content": {"anyOf": [{"type": "string"}, _PARTS]}, **_NAMES}},
+    {"type": "object", "required": ["role"], "properties": {
+        "role": {"const": "assistant"},
+        "content": {"anyOf": [{"type": "string"}, _PARTS, {"type": "null"}]}, **_NAMES}}]}
 
 FIELDS: tuple[Field, ...] = (
     # ---- the prompt ----

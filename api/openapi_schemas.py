@@ -75,8 +75,11 @@ ERROR = _obj({"error": _obj({"message": _STR, "type": _STR,
                              "param": {"type": ["string", "null"]},
                              "code": {"type": ["string", "null"]}})})
 
-# The SSE body of a streamed response: text/event-stream, one `data:` line per chunk.
-EVENT_STREAM = {"type": "string"}
+# One server-sent event of a streamed response (schema-driven testers check each event):
+# `data` is a chunk (the response's shape with a `delta` or a text piece per choice, and
+# `usage` on the usage chunk) or an {"error": ...} object, as JSON; the last is "[DONE]".
+EVENT_STREAM = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "minLength": 1}, "event": {"const": "message"}}}
 
 
 def json_content(schema: dict[str, Any]) -> dict[str, Any]:
