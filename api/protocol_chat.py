@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from api.chat_template import TEMPLATE_FIELDS, parse_template_fields
 from api.errors import bad_request
 from api.params import get_bool, get_int, get_str, warn_unknown
 from api.sampling import (
@@ -15,12 +18,14 @@ from api.sampling import (
     parse_sampling,
     parse_stream_options,
 )
+from api.tools import ToolConfig, parse_tools, structured_outputs
+from engine.protocol import ChatTemplateArgs
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 CHAT_FIELDS: dict[str, str] = {
     **SAMPLING_FIELDS, "messages": "array", "max_completion_tokens": "integer",
-    "logprobs": "boolean", "top_logprobs": "integer", "add_generation_prompt": "boolean",
+    "logprobs": "boolean", "top_logprobs": "integer", **TEMPLATE_FIELDS,
     "tools": "array", "tool_choice": "string|object", "response_format": "object",
     "functions": "array", "parallel_tool_calls": "boolean",
 }
@@ -30,7 +35,8 @@ CHAT_FIELDS: dict[str, str] = {
 class ChatRequest:
     model: str | None
     messages: list[dict[str, Any]]  # normalized: content is always a string
-    add_generation_prompt: bool
+    template: ChatTemplateArgs  # its tools are set at rendering, from `tools`
+    tools: ToolConfig | None  # None: no tools (the output is plain content)
     sampling: SamplingArgs
     logprobs: int | None  # top-N per token when logprobs=true, else None
     stream: bool
@@ -42,6 +48,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     if "messages" not in body:
         raise bad_request("messages is required", param="messages")
     messages = parse_messages(body["messages"])
+    tools = parse_tools(body)
     _check_unsupported(body)
     # max_completion_tokens is OpenAI's newer name; it wins when both are given.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
@@ -50,11 +57,21 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     check_max_tokens(max_tokens, allow_zero=False, param=name)
     stream = get_bool(body, "stream", False)
     return ChatRequest(
-        model=get_str(body, "model"), messages=messages,
-        add_generation_prompt=get_bool(body, "add_generation_prompt", True),
-        sampling=parse_sampling(body, max_tokens), logprobs=_parse_logprobs(body),
-        stream=stream, include_usage=parse_stream_options(body, stream),
+        model=get_str(body, "model"), messages=messages, template=parse_template_fields(body),
+        tools=tools, sampling=_with_tools(parse_sampling(body, max_tokens), tools),
+        logprobs=_parse_logprobs(body), stream=stream,
+        include_usage=parse_stream_options(body, stream),
     )
+
+
+def _with_tools(sampling: SamplingArgs, tools: ToolConfig | None) -> SamplingArgs:
+    """A forced call constrains the output with the tools' schema (the structured-outputs
+    contract of scheduler/sampling_params.py)."""
+    constraint = structured_outputs(tools)
+    if constraint is None:
+        return sampling
+    return dataclasses.replace(sampling, fields={**sampling.fields,
+                                                 "structured_outputs": constraint})
 
 
 def _parse_logprobs(body: dict[str, Any]) -> int | None:
@@ -82,7 +99,41 @@ def _message(value: Any, where: str) -> dict[str, Any]:
     for key in ("name", "tool_call_id"):
         if isinstance(value.get(key), str):
             message[key] = value[key]
+    if role == "tool" and "tool_call_id" not in message:
+        raise bad_request(f"{where}.tool_call_id is required in a tool message (a string)",
+                          param=f"{where}.tool_call_id")
+    if role == "assistant" and value.get("tool_calls") is not None:
+        message["tool_calls"] = _tool_calls(value["tool_calls"], f"{where}.tool_calls")
     return message
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's earlier calls, in OpenAI's shape; arguments must be a JSON object."""
+    if not isinstance(value, list):
+        raise bad_request(f"{where} must be a list", param=where)
+    return [_tool_call(c, f"{where}[{j}]") for j, c in enumerate(value)]
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or call.get("type", "function") != "function":
+        raise bad_request(f"{where} must be {{\"type\": \"function\", \"function\": "
+                          "{\"name\": ..., \"arguments\": ...}}", param=where)
+    if not isinstance(call.get("id"), str):
+        raise bad_request(f"{where}.id must be a string", param=f"{where}.id")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad_request(f"{where}.function.name must be a non-empty string",
+                          param=f"{where}.function.name")
+    args = fn.get("arguments")
+    try:
+        ok = isinstance(args, str) and isinstance(json.loads(args), dict)
+    except (ValueError, RecursionError):
+        ok = False
+    if not ok:
+        raise bad_request(f"{where}.function.arguments must be a JSON object, as a string",
+                          param=f"{where}.function.arguments")
+    return {"id": call["id"], "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}
 
 
 def _content(value: Any, role: str, where: str) -> str:
@@ -105,9 +156,9 @@ def _content(value: Any, role: str, where: str) -> str:
 
 def _check_unsupported(body: dict[str, Any]) -> None:
     """Fields that would change the answer's meaning are refused rather than ignored."""
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad_request(f"{name} is not supported", param=name)
+    if body.get("functions"):
+        raise bad_request("functions (deprecated by OpenAI) is not supported; use tools",
+                          param="functions")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad_request("response_format other than {\"type\": \"text\"} is not supported",

@@ -8,15 +8,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from api.chat import render_chat
+from api.chat_template import TEMPLATE_FIELDS, parse_template_fields, render_chat
 from api.errors import bad_request, not_ready
 from api.lifecycle import shutting_down
 from api.params import INT64_MAX, get_bool, get_int_list, get_str, read_json, warn_unknown
 from api.protocol_chat import parse_messages
 from api.state import AppState, now, tokenize_text
+from api.tools import parse_tools
 
 TOKENIZE_FIELDS = {"model": "string", "prompt": "string", "messages": "array",
-                   "add_special_tokens": "boolean", "add_generation_prompt": "boolean"}
+                   "add_special_tokens": "boolean", **TEMPLATE_FIELDS, "tools": "array"}
 DETOKENIZE_FIELDS = {"model": "string", "tokens": "array"}
 
 
@@ -66,8 +67,8 @@ async def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
         return await tokenize_text(app.engine, prompt,
                                    get_bool(body, "add_special_tokens", True), "prompt")
     messages = parse_messages(body["messages"])
-    return await render_chat(app.engine, messages, get_bool(body, "add_generation_prompt", True),
-                       get_bool(body, "add_special_tokens", False))
+    return await render_chat(app.engine, messages, parse_template_fields(body),
+                             parse_tools(body), get_bool(body, "add_special_tokens", False))
 
 
 async def detokenize(request: Request) -> Response:
