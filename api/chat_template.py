@@ -3,10 +3,11 @@
 the request's tools.
 
 Tools go to the template's `tools` variable when the template renders them. Whether it
-does is found by rendering a probe conversation with and without a probe tool: the same
-text means the template ignores tools (SmolLM2's does). Then the default tools prompt
-(api/tools.py) is put in the system message, and the history's tool calls and results are
-written in the same Hermes format the model is asked to use.
+does is found by rendering the request with and without its tools (a probe tool when only
+the history has tool calls): the same text means the template ignores tools (SmolLM2's
+does). Then the default tools prompt (api/tools.py) is put in the system message, and the
+history's tool calls and results are written in the Hermes format the model is asked to
+use. The cost is one or two extra template renders, only for requests with tools.
 """
 
 from __future__ import annotations
