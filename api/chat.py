@@ -35,7 +35,8 @@ CHUNK = "chat.completion.chunk"
 async def create_chat_completion(request: Request) -> Response:
     arrival = time.monotonic()
     app = AppState.of(request)
-    req = parse_chat(await read_json(request, app.max_body_bytes))
+    req = parse_chat(await read_json(request, app.max_body_bytes),
+                     app.trust_request_chat_template)
     app.check_model(req.model)
     app.check_admitting()
     prompt = await render_chat(app.engine, req.messages, req.template, req.tools,

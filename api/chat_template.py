@@ -36,7 +36,9 @@ _PROBE_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {}}}}
 
 
-def parse_template_fields(body: dict[str, Any]) -> ChatTemplateArgs:
+def parse_template_fields(body: dict[str, Any], trusted: bool) -> ChatTemplateArgs:
+    """The template fields; a request's own chat_template only when the server trusts
+    them (--trust-request-chat-template, as vLLM): a template is code the server runs."""
     add = get_bool(body, "add_generation_prompt", True)
     cont = get_bool(body, "continue_final_message", False)
     if add and cont:
@@ -48,7 +50,11 @@ def parse_template_fields(body: dict[str, Any]) -> ChatTemplateArgs:
     if clash:
         raise bad_request(f"chat_template_kwargs must not set {', '.join(clash)} (a request "
                           "field or a rendering option)", param="chat_template_kwargs")
-    return ChatTemplateArgs(add, cont, None, get_str(body, "chat_template"), kwargs)
+    template = get_str(body, "chat_template")
+    if template is not None and not trusted:
+        raise bad_request("chat_template in a request is refused: the server does not run "
+                          "with --trust-request-chat-template", param="chat_template")
+    return ChatTemplateArgs(add, cont, None, template, kwargs)
 
 
 async def render_chat(engine: EngineClient, messages: list[dict[str, Any]],

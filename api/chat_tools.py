@@ -45,12 +45,12 @@ class ToolCalls:
         return parsed
 
     def _merge(self, delta: CallDelta) -> None:
+        """A first delta opens call `index` (indexes come in order); later ones extend its
+        arguments."""
         if delta.id is not None:
-            self.calls.append(delta.to_json() | {"function": {
-                "name": delta.name, "arguments": delta.arguments}})
-            del self.calls[-1]["index"]
-        else:
-            self.calls[delta.index]["function"]["arguments"] += delta.arguments
+            self.calls.append({"id": delta.id, "type": "function",
+                               "function": {"name": delta.name, "arguments": ""}})
+        self.calls[delta.index]["function"]["arguments"] += delta.arguments
 
     def message(self) -> dict[str, Any]:
         text = "".join(self.content)

@@ -43,7 +43,7 @@ class ChatRequest:
     include_usage: bool
 
 
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
+def parse_chat(body: dict[str, Any], trust_template: bool = False) -> ChatRequest:
     warn_unknown(body, CHAT_FIELDS, "/v1/chat/completions")
     if "messages" not in body:
         raise bad_request("messages is required", param="messages")
@@ -57,7 +57,7 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     check_max_tokens(max_tokens, allow_zero=False, param=name)
     stream = get_bool(body, "stream", False)
     return ChatRequest(
-        model=get_str(body, "model"), messages=messages, template=parse_template_fields(body),
+        model=get_str(body, "model"), messages=messages, template=parse_template_fields(body, trust_template),
         tools=tools, sampling=_with_tools(parse_sampling(body, max_tokens), tools),
         logprobs=_parse_logprobs(body), stream=stream,
         include_usage=parse_stream_options(body, stream),

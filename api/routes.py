@@ -67,7 +67,7 @@ async def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
         return await tokenize_text(app.engine, prompt,
                                    get_bool(body, "add_special_tokens", True), "prompt")
     messages = parse_messages(body["messages"])
-    return await render_chat(app.engine, messages, parse_template_fields(body),
+    return await render_chat(app.engine, messages, parse_template_fields(body, app.trust_request_chat_template),
                              parse_tools(body), get_bool(body, "add_special_tokens", False))
 
 

@@ -5,6 +5,7 @@ Hermes parser, and tool_calls in answers and streams. Chat-template fields at th
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -14,7 +15,7 @@ from starlette.testclient import TestClient
 
 from api.tool_parser import CallDelta, HermesParser, Parsed
 from api.tools import MAX_TOOLS, TOOLS_PROMPT, ToolConfig, forced_schema
-from tests.support.apitools import sse_json
+from tests.support.apitools import serve, sse_json
 from tests.support.errors import assert_error
 from tests.support.fake_engine import FakeEngine
 
@@ -400,8 +401,20 @@ def test_stream_required(client: TestClient, engine: FakeEngine) -> None:
 
 # --- chat-template fields -----------------------------------------------------------------
 
-def test_template_fields_reach_the_template(client: TestClient, engine: FakeEngine) -> None:
-    r = post(client, chat_template="{{ my template }}",
+@pytest.fixture
+def trusting(engine: FakeEngine) -> Iterator[TestClient]:
+    """A server run with --trust-request-chat-template."""
+    with serve(engine, trust_request_chat_template=True) as c:
+        yield c
+
+
+def test_request_template_needs_trust(client: TestClient, engine: FakeEngine) -> None:
+    error = assert_error(post(client, chat_template="{{ x }}"), 400, param="chat_template")
+    assert "--trust-request-chat-template" in error["message"] and not engine.templates
+
+
+def test_template_fields_reach_the_template(trusting: TestClient, engine: FakeEngine) -> None:
+    r = post(trusting, chat_template="{{ my template }}",
              chat_template_kwargs={"enable_thinking": False}, add_generation_prompt=False)
     assert r.status_code == 200
     args = engine.templates[-1]
@@ -428,9 +441,9 @@ def test_continue_final_message(client: TestClient, engine: FakeEngine) -> None:
     ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
     ({"add_generation_prompt": 1}, "add_generation_prompt"),
 ])
-def test_bad_template_fields(client: TestClient, engine: FakeEngine, body: dict[str, Any],
+def test_bad_template_fields(trusting: TestClient, engine: FakeEngine, body: dict[str, Any],
                              param: str) -> None:
-    assert_error(post(client, **body), 400, param=param)
+    assert_error(post(trusting, **body), 400, param=param)
     assert not engine.submitted
 
 

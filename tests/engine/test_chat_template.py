@@ -66,7 +66,7 @@ class TokenizerEngine:
 def rendered(tok: Tokenizer, messages: list[dict[str, Any]], tools: ToolConfig | None = None,
              **fields: Any) -> str:
     from api.chat_template import parse_template_fields
-    args = parse_template_fields(fields)
+    args = parse_template_fields(fields, trusted=True)
     ids = asyncio.run(render_chat(TokenizerEngine(tok), messages, args, tools))  # type: ignore[arg-type]
     return tok.decode(ids, skip_special_tokens=False)
 
