@@ -81,7 +81,10 @@ async def _render_tools(engine: EngineClient, messages: list[dict[str, Any]],
     with_tools = await _render(engine, native, probe)
     if with_tools != plain:  # the template renders tools: history and tools are its job
         return with_tools if tool_list else plain
-    return await _render(engine, hermes_history(messages, tools), args)
+    # tool_choice "none": a template that ignores tools shows none (as in vLLM, where the
+    # template is the only way in); a prompt asking for calls would only be misread.
+    prompted = tools if tools is not None and tools.mode != "none" else None
+    return await _render(engine, hermes_history(messages, prompted), args)
 
 
 async def _render(engine: EngineClient, messages: list[dict[str, Any]],

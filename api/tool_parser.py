@@ -58,11 +58,12 @@ class OutputParser(Protocol):
 
 def call_arguments(value: Any) -> str | None:
     """A Hermes block's JSON as the call's arguments string, or None when it is not a call
-    ({"name": a non-empty string, "arguments": an object or a JSON object string})."""
+    ({"name": a non-empty string, "arguments": an object or a JSON object string; some
+    models write "parameters", read the same way; neither: no arguments})."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) \
             or not value["name"]:
         return None
-    args = value.get("arguments", {})
+    args = value.get("arguments", value.get("parameters", {}))
     if isinstance(args, str):
         try:
             args = json.loads(args)

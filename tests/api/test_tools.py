@@ -172,6 +172,8 @@ def test_template_without_tools_gets_the_default_prompt(client: TestClient,
     post(client, tools=[WEATHER], messages=system)
     assert _prompt(engine).startswith("<system>Be brief.\n\nYou can call functions")
     assert TOOLS_PROMPT.split("\n")[0] in _prompt(engine)
+    post(client, tools=[WEATHER], tool_choice="none")  # no call wanted: no prompt asking
+    assert _prompt(engine) == "<user>weather in Paris?\n<assistant>"
 
 
 HISTORY = [*MSG, {"role": "assistant", "content": None, "tool_calls": [
@@ -218,6 +220,7 @@ CASES: list[tuple[str, str, list[tuple[str, str]]]] = [
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
     ("x < y and <tool_ca", "x < y and <tool_ca", []),
     ('<tool_call>{"name": "f"}', "", [("f", "{}")]),  # EOS before the closing tag
+    ('<tool_call>{"name": "f", "parameters": {"a": [1]}}</tool_call>', "", [("f", '{"a": [1]}')]),
     ('<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', []),
     ("  plain answer \n", "  plain answer \n", []),
 ]
