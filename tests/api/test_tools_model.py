@@ -66,7 +66,7 @@ def check_call(call: Any, validate: bool) -> dict[str, Any]:
 
 def test_auto_is_well_formed_streamed_or_not(oai: Any) -> None:
     c = oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                    temperature=0, max_tokens=60)
+                                    temperature=0, max_tokens=40)
     choice = c.choices[0]
     calls = choice.message.tool_calls or []
     for call in calls:
@@ -80,7 +80,7 @@ def test_auto_is_well_formed_streamed_or_not(oai: Any) -> None:
     content, finish = "", None
     streamed: dict[int, list[str]] = {}
     for chunk in oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                             temperature=0, max_tokens=60, stream=True):
+                                             temperature=0, max_tokens=40, stream=True):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for d in delta.tool_calls or []:
@@ -97,7 +97,7 @@ def test_openai_client_round_trip(oai: Any) -> None:
     """Send tools, get the calls (the model's, or one we make if it answered in text), send
     the result back as a tool message, get an answer."""
     first = oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                        temperature=0, max_tokens=60)
+                                        temperature=0, max_tokens=40)
     message = first.choices[0].message
     calls = [{"id": c.id, "type": "function",
               "function": {"name": c.function.name, "arguments": c.function.arguments}}
