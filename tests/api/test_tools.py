@@ -329,6 +329,27 @@ def test_openai_client_round_trip(client: TestClient, engine: FakeEngine) -> Non
     assert "<tool><tool_response>\n18C\n</tool_response>" in _prompt(engine)
 
 
+def test_openai_client_parse_with_a_pydantic_tool(client: TestClient,
+                                                  engine: FakeEngine) -> None:
+    """client.chat.completions.parse(tools=[pydantic_function_tool(Model)]) reads our calls
+    into the model (the strict tool the SDK builds is accepted)."""
+    from pydantic import BaseModel
+
+    class GetWeather(BaseModel):
+        city: str
+
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=client,
+                        max_retries=0)
+    engine.replies = ['{"city": "Paris"}']
+    r = oai.chat.completions.parse(
+        model="fake-model", messages=MSG,  # type: ignore[arg-type]
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+    [call] = r.choices[0].message.tool_calls or []
+    assert call.function.parsed_arguments == GetWeather(city="Paris")
+    assert engine.submitted[0].params.structured_outputs is not None
+
+
 # --- streams ------------------------------------------------------------------------------
 
 def _stream(client: TestClient, **body: Any) -> dict[int, dict[str, Any]]:
