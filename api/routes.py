@@ -17,7 +17,8 @@ from api.state import AppState, now, tokenize_text
 from api.tools import parse_tools
 
 TOKENIZE_FIELDS = {"model": "string", "prompt": "string", "messages": "array",
-                   "add_special_tokens": "boolean", **TEMPLATE_FIELDS, "tools": "array"}
+                   "add_special_tokens": "boolean", **TEMPLATE_FIELDS, "tools": "array",
+                   "tool_choice": "string|object"}
 DETOKENIZE_FIELDS = {"model": "string", "tokens": "array"}
 
 

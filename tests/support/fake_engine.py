@@ -122,7 +122,7 @@ class FakeEngine:
         tools and tool_calls show up in the text so tests can see they arrived."""
         args = args if args is not None else ChatTemplateArgs()
         self.templates.append(args)
-        if messages[-1]["content"] == "RAISE" or args.chat_template == "RAISE":
+        if messages[-1]["content"] == "RAISE" or (args.chat_template or "").startswith("RAISE"):
             raise ValueError("Conversation roles must alternate")  # like a jinja template
         head = f"[{args.chat_template}]" if args.chat_template is not None else ""
         head += "".join(f"[{k}={v}]" for k, v in sorted(args.kwargs.items()))
