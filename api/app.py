@@ -33,7 +33,8 @@ logger = logging.getLogger("pagedserve.api")
 def create_app(engine: EngineClient, *, served_model_name: str | None = None,
                api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               request_timeout: float | None = None) -> Starlette:
+               request_timeout: float | None = None,
+               trust_request_chat_template: bool = False) -> Starlette:
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
@@ -49,7 +50,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None,
                     exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
     app.state.pagedserve = AppState(engine, ServerMetrics(engine),
                                     served_model_name or engine.model_name, max_body_bytes,
-                                    request_timeout)
+                                    request_timeout,
+                                    trust_request_chat_template=trust_request_chat_template)
     return app
 
 

@@ -9,7 +9,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from api.errors import CLIENT_CLOSED, bad_request, from_engine_error
+from api.chat_template import render_chat
+from api.chat_tools import ToolCalls, finish_reason, make_parser, stream_delta
+from api.errors import CLIENT_CLOSED
 from api.options import truncate
 from api.params import read_json
 from api.protocol_chat import ChatRequest, parse_chat
@@ -25,9 +27,9 @@ from api.responses import (
 )
 from api.sampling import build_params, check_context
 from api.sse import sse_response
-from api.state import AppState, now, request_ids, tokenize_text
+from api.state import AppState, now, request_ids
 from api.streams import Job, MergedStream, run_unless_disconnected, start_stream
-from engine.protocol import EngineClient, EngineDeadError, EngineLimits
+from engine.outputs import RequestOutput
 
 CHUNK = "chat.completion.chunk"
 
@@ -35,13 +37,14 @@ CHUNK = "chat.completion.chunk"
 async def create_chat_completion(request: Request) -> Response:
     arrival = time.monotonic()
     app = AppState.of(request)
-    req = parse_chat(await read_json(request, app.max_body_bytes))
+    req = parse_chat(await read_json(request, app.max_body_bytes),
+                     app.trust_request_chat_template)
     app.check_model(req.model)
     app.check_admitting()
     opts = req.options
     # A prompt to be truncated may be longer than the context: no length check first.
     limits = app.limits() if opts.truncate_prompt_tokens is None else None
-    prompt = await render_chat(app.engine, req.messages, req.add_generation_prompt,
+    prompt = await render_chat(app.engine, req.messages, req.template, req.tools,
                                opts.add_special_tokens, limits)
     prompt = truncate(prompt, opts, app.limits().max_model_len, req.sampling.max_tokens)
     shown_id, engine_id = request_ids("chatcmpl", opts.request_id)
@@ -57,23 +60,6 @@ async def create_chat_completion(request: Request) -> Response:
     finally:
         await stream.close()
     return JSONResponse(body) if body is not None else Response(status_code=CLIENT_CLOSED)
-
-
-async def render_chat(engine: EngineClient, messages: list[dict[str, Any]],
-                      add_generation_prompt: bool, add_special_tokens: bool = False,
-                      limits: EngineLimits | None = None) -> list[int]:
-    """The chat template's text, tokenized; by default without extra special tokens (the
-    template has its own BOS where the model wants one). `messages` were validated by
-    parse_messages; given the limits, a text too long to ever fit is refused untokenized."""
-    try:
-        text = await engine.apply_chat_template(messages,
-                                                add_generation_prompt=add_generation_prompt)
-    except EngineDeadError as e:
-        raise from_engine_error(e, engine.stats()) from None
-    except Exception as e:  # noqa: BLE001 - templates raise anything on the client's input
-        raise bad_request(f"messages cannot be rendered by the chat template: {e}",
-                          param="messages") from None
-    return await tokenize_text(engine, text, add_special_tokens, "messages", limits)
 
 
 def _jobs(app: AppState, req: ChatRequest, prompt: list[int], rid: str,
@@ -102,10 +88,10 @@ async def _collect(stream: MergedStream, req: ChatRequest, prompt: list[int],
     states = [ChoiceState() for _ in range(req.sampling.n)]
     async for i, out in stream:
         states[i].add(out)
-    choices = [_with_ids(req, chat_choice(i, s, _logprobs(req, s.logprobs)), s.token_ids)
-               for i, s in enumerate(states)]
-    for choice in choices:  # echo: the answer continues the assistant's last message
-        choice["message"]["content"] = req.echo + choice["message"]["content"]
+    choices = [_with_ids(req, _choice(req, i, s), s.token_ids) for i, s in enumerate(states)]
+    if req.echo:  # the answer continues the assistant's last message
+        for choice in choices:
+            choice["message"]["content"] = req.echo + (choice["message"]["content"] or "")
     body = envelope(*head, obj="chat.completion", choices=choices,
                     usage_=_usage(len(prompt), states))
     if req.options.prompt_logprobs is not None:  # vLLM: once, on the response
@@ -113,6 +99,17 @@ async def _collect(stream: MergedStream, req: ChatRequest, prompt: list[int],
     if req.options.token_ids:
         body["prompt_token_ids"] = prompt
     return body
+
+
+def _choice(req: ChatRequest, index: int, state: ChoiceState) -> dict[str, Any]:
+    choice = chat_choice(index, state, _logprobs(req, state.logprobs))
+    parser = make_parser(req.tools)
+    if parser is not None:
+        calls = ToolCalls(parser)
+        calls.feed("".join(state.text), finished=True)
+        choice["message"] = calls.message()
+        choice["finish_reason"] = finish_reason(state.finish_reason, bool(calls.calls))
+    return choice
 
 
 def _with_ids(req: ChatRequest, choice: dict[str, Any], ids: Sequence[int]) -> dict[str, Any]:
@@ -131,6 +128,8 @@ async def _events(stream: MergedStream, req: ChatRequest, prompt: list[int],
                   head: tuple[str, int, str]) -> AsyncGenerator[dict[str, Any], None]:
     states = [ChoiceState() for _ in range(req.sampling.n)]
     prompt_len = len(prompt)
+    parsers = [make_parser(req.tools) for _ in range(req.sampling.n)]
+    calls = [ToolCalls(p) if p is not None else None for p in parsers]
     try:
         for i in range(req.sampling.n):  # OpenAI opens each choice with the role alone
             role = chat_chunk_choice(i, {"role": "assistant", "content": ""}, None, None)
@@ -147,10 +146,11 @@ async def _events(stream: MergedStream, req: ChatRequest, prompt: list[int],
             states[i].add(out)
             entries = token_entries(out)
             ids_due = req.options.token_ids and out.new_token_ids
-            if not out.new_text and not entries and not out.finished and not ids_due:
+            delta, reason = _delta(out, calls[i])
+            if not (delta.get("content") or delta.get("tool_calls") or entries
+                    or out.finished or ids_due):
                 continue  # nothing to say yet (prefill chunk, held-back partial text)
-            delta = {"content": out.new_text} if out.new_text or not out.finished else {}
-            choice = chat_chunk_choice(i, delta, _logprobs(req, entries), out.finish_reason,
+            choice = chat_chunk_choice(i, delta, _logprobs(req, entries), reason,
                                        out.stop_reason)
             yield envelope(*head, obj=CHUNK, choices=[_with_ids(req, choice, out.new_token_ids)],
                            usage_=_chunk_usage(req, prompt_len, states[i].num_tokens))
@@ -158,3 +158,13 @@ async def _events(stream: MergedStream, req: ChatRequest, prompt: list[int],
             yield envelope(*head, obj=CHUNK, choices=[], usage_=_usage(prompt_len, states))
     finally:
         await stream.close()
+
+
+def _delta(out: RequestOutput, calls: ToolCalls | None) -> tuple[dict[str, Any], str | None]:
+    """The chunk's delta and finish_reason; with tools, the parser decides what is content."""
+    if calls is None:
+        # The last chunk of a choice has no content key unless it brings text.
+        return ({"content": out.new_text} if out.new_text or not out.finished else {},
+                out.finish_reason)
+    delta = stream_delta(calls.feed(out.new_text, out.finished))
+    return delta, finish_reason(out.finish_reason, bool(calls.calls))

@@ -103,6 +103,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, seconds running requests get to finish while new "
                    "ones get 503; the rest then end with an error (default: "
                    f"{DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a Jinja chat_template in requests (as vLLM's flag: off by "
+                   "default, since a template runs on the server and can be made slow)")
     for flag, (_, kind, help_) in ENGINE_FLAGS.items():
         extra: dict[str, Any] = {}
         if flag == "--scheduling-policy":
@@ -161,7 +164,8 @@ def serve(args: argparse.Namespace) -> None:
         config = dataclasses.replace(config, num_threads=serving_threads())
     engine = AsyncEngine(config)
     app = create_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
-                     max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
+                     max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
+                     trust_request_chat_template=args.trust_request_chat_template)
     logger.info("serving %s at http://%s:%d/v1 (loading the model in the background; "
                 "/health answers 200 once ready)", engine.model_name, args.host, args.port)
     http = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
+from api.chat_template import parse_template_fields
 from api.errors import bad_request
 from api.fields import CHAT, check_fields
 from api.options import Options, parse_options
 from api.params import check_unicode, get_bool, get_int, get_str
 from api.sampling import MAX_LOGPROBS, SamplingArgs, check_max_tokens, parse_sampling
+from api.tools import ToolConfig, parse_tools, structured_outputs
+from engine.protocol import ChatTemplateArgs
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
@@ -18,7 +23,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 class ChatRequest:
     model: str | None
     messages: list[dict[str, Any]]  # normalized: content is always a string
-    add_generation_prompt: bool
+    template: ChatTemplateArgs  # its tools are set at rendering, from `tools`
+    tools: ToolConfig | None  # None: no tools (the output is plain content)
     echo: str  # vLLM's echo: the last message's content when it is the assistant's, else ""
     sampling: SamplingArgs
     logprobs: int | None  # top-N per token when logprobs=true, else None
@@ -26,11 +32,12 @@ class ChatRequest:
     options: Options
 
 
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
+def parse_chat(body: dict[str, Any], trust_template: bool = False) -> ChatRequest:
     check_fields(body, CHAT)
     if "messages" not in body:
         raise bad_request("messages is required", param="messages")
     messages = parse_messages(body["messages"])
+    tools = parse_tools(body)
     _check_unsupported(body)
     # max_completion_tokens is OpenAI's newer name; it wins when both are given.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
@@ -40,16 +47,27 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     stream = get_bool(body, "stream", False)
     return ChatRequest(
         model=get_str(body, "model"), messages=messages,
-        add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+        template=parse_template_fields(body, trust_template), tools=tools,
         echo=_echo(messages) if get_bool(body, "echo", False) else "",
-        sampling=parse_sampling(body, max_tokens), logprobs=_parse_logprobs(body),
-        stream=stream, options=parse_options(body, stream, add_special_tokens=False),
+        sampling=_with_tools(parse_sampling(body, max_tokens), tools),
+        logprobs=_parse_logprobs(body), stream=stream,
+        options=parse_options(body, stream, add_special_tokens=False),
     )
 
 
 def _echo(messages: list[dict[str, Any]]) -> str:
     last = messages[-1]
     return str(last["content"]) if last["role"] == "assistant" else ""
+
+
+def _with_tools(sampling: SamplingArgs, tools: ToolConfig | None) -> SamplingArgs:
+    """A forced call constrains the output with the tools' schema (the structured-outputs
+    contract of scheduler/sampling_params.py)."""
+    constraint = structured_outputs(tools)
+    if constraint is None:
+        return sampling
+    return dataclasses.replace(sampling, fields={**sampling.fields,
+                                                 "structured_outputs": constraint})
 
 
 def _parse_logprobs(body: dict[str, Any]) -> int | None:
@@ -80,7 +98,41 @@ def _message(value: Any, where: str) -> dict[str, Any]:
             if not isinstance(value[key], str):
                 raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
             message[key] = value[key]
+    if role == "tool" and "tool_call_id" not in message:
+        raise bad_request(f"{where}.tool_call_id is required in a tool message (a string)",
+                          param=f"{where}.tool_call_id")
+    if role == "assistant" and value.get("tool_calls") is not None:
+        message["tool_calls"] = _tool_calls(value["tool_calls"], f"{where}.tool_calls")
     return message
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's earlier calls, in OpenAI's shape; arguments must be a JSON object."""
+    if not isinstance(value, list):
+        raise bad_request(f"{where} must be a list", param=where)
+    return [_tool_call(c, f"{where}[{j}]") for j, c in enumerate(value)]
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or call.get("type", "function") != "function":
+        raise bad_request(f"{where} must be {{\"type\": \"function\", \"function\": "
+                          "{\"name\": ..., \"arguments\": ...}}", param=where)
+    if not isinstance(call.get("id"), str):
+        raise bad_request(f"{where}.id must be a string", param=f"{where}.id")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad_request(f"{where}.function.name must be a non-empty string",
+                          param=f"{where}.function.name")
+    args = fn.get("arguments")
+    try:
+        ok = isinstance(args, str) and isinstance(json.loads(args), dict)
+    except (ValueError, RecursionError):
+        ok = False
+    if not ok:
+        raise bad_request(f"{where}.function.arguments must be a JSON object, as a string",
+                          param=f"{where}.function.arguments")
+    return {"id": call["id"], "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}
 
 
 def _content(value: Any, role: str, where: str) -> str:
@@ -102,10 +154,8 @@ def _content(value: Any, role: str, where: str) -> str:
 
 
 def _check_unsupported(body: dict[str, Any]) -> None:
-    """Fields that would change the answer's meaning are refused rather than ignored (tools
-    and response_format until their branches land; the rest: api/fields.py)."""
-    if body.get("tools"):
-        raise bad_request("tools is not supported", param="tools")
+    """Fields that would change the answer's meaning are refused rather than ignored
+    (response_format until its branch lands; the rest: api/fields.py)."""
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad_request("response_format other than {\"type\": \"text\"} is not supported",

@@ -8,13 +8,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from api.chat import render_chat
+from api.chat_template import parse_template_fields, render_chat
 from api.errors import bad_request, not_ready
 from api.fields import warn_unknown
 from api.lifecycle import shutting_down
 from api.params import INT64_MAX, get_bool, get_int_list, get_str, read_json
 from api.protocol_chat import parse_messages
 from api.state import AppState, now, tokenize_text
+from api.tools import parse_tools
 
 # Field -> JSON schema (served in /openapi.json). `model`, when present, must be a string:
 # these are not OpenAI routes, and null has no "default model" meaning here.
@@ -22,7 +23,12 @@ _MESSAGES = {"type": "array", "minItems": 1, "items": {"type": "object"}}
 TOKENIZE_FIELDS: dict[str, dict[str, Any]] = {
     "model": {"type": "string"}, "prompt": {"type": "string"}, "messages": _MESSAGES,
     "add_special_tokens": {"type": ["boolean", "null"]},
-    "add_generation_prompt": {"type": ["boolean", "null"]}}
+    "add_generation_prompt": {"type": ["boolean", "null"]},
+    "continue_final_message": {"type": ["boolean", "null"]},
+    "chat_template": {"type": ["string", "null"]},
+    "chat_template_kwargs": {"type": ["object", "null"]},
+    "tools": {"type": ["array", "null"]},
+    "tool_choice": {"type": ["string", "object", "null"]}}
 DETOKENIZE_FIELDS: dict[str, dict[str, Any]] = {
     "model": {"type": "string"},
     "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
@@ -82,8 +88,8 @@ async def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
         return await tokenize_text(app.engine, prompt,
                                    get_bool(body, "add_special_tokens", True), "prompt")
     messages = parse_messages(body["messages"])
-    return await render_chat(app.engine, messages, get_bool(body, "add_generation_prompt", True),
-                       get_bool(body, "add_special_tokens", False))
+    return await render_chat(app.engine, messages, parse_template_fields(body, app.trust_request_chat_template),
+                             parse_tools(body), get_bool(body, "add_special_tokens", False))
 
 
 async def detokenize(request: Request) -> Response:

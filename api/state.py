@@ -28,6 +28,7 @@ class AppState:
     served_model_name: str
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout: float | None = None  # --request-timeout: seconds, for every request
+    trust_request_chat_template: bool = False  # --trust-request-chat-template
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     @staticmethod

@@ -30,7 +30,13 @@ from engine.config import EngineConfig
 from engine.drain import DrainRate
 from engine.llm_engine import LLMEngine
 from engine.outputs import ErrorCode, RequestOutput
-from engine.protocol import EngineDeadError, EngineLimits, EngineStats, RequestStream
+from engine.protocol import (
+    ChatTemplateArgs,
+    EngineDeadError,
+    EngineLimits,
+    EngineStats,
+    RequestStream,
+)
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 
@@ -199,9 +205,9 @@ class AsyncEngine:
                                                                skip_special_tokens=False))
 
     async def apply_chat_template(self, messages: list[dict[str, Any]],
-                                  add_generation_prompt: bool = True) -> str:
-        return await self._on_tokenizer(
-            lambda tok: tok.apply_chat_template(messages, add_generation_prompt))
+                                  args: ChatTemplateArgs | None = None) -> str:
+        chat = args if args is not None else ChatTemplateArgs()
+        return await self._on_tokenizer(lambda tok: tok.render_chat(messages, chat))
 
     async def _on_tokenizer(self, work: Callable[[Tokenizer], T]) -> T:
         """Run tokenizer work on the tokenizer thread: HF tokenizers release the GIL while

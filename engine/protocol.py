@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.outputs import ErrorCode, RequestOutput
 from scheduler.errors import InvalidParamError, PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.limits import EngineLimits
-from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "MAX_LOGPROBS",
+    "ChatTemplateArgs",
     "EngineClient",
     "EngineDeadError",
     "EngineLimits",
@@ -34,11 +35,25 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SchedulerError",
+    "StructuredOutputsParams",
 ]
 
 
 class EngineDeadError(Exception):
     """The engine loop died or is not running; requests cannot be served (HTTP 503)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateArgs:
+    """How to render chat messages (vLLM's chat-template request fields). `tools`: OpenAI
+    tool objects for the template's `tools` variable; `chat_template`: a Jinja template that
+    replaces the model's; `kwargs`: extra template variables (chat_template_kwargs)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last (assistant) message open
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +164,9 @@ class EngineClient(Protocol):
     async def detokenize(self, token_ids: list[int]) -> str: ...
 
     async def apply_chat_template(self, messages: list[dict[str, Any]],
-                                  add_generation_prompt: bool = True) -> str:
-        """Render messages already validated by the API (content is a string)."""
+                                  args: ChatTemplateArgs | None = None) -> str:
+        """Render messages already validated by the API (content is a string; tool_calls'
+        arguments are objects). Raises ValueError when the template cannot render them."""
         ...
 
     def stats(self) -> EngineStats: ...

@@ -16,6 +16,7 @@ from collections.abc import Collection, Sequence
 from functools import lru_cache
 from typing import Any
 
+from engine.protocol import ChatTemplateArgs
 from scheduler.sampling_params import SamplingParams
 
 # How many prompt tokens are decoded as context before the first output token (vLLM uses 5).
@@ -98,16 +99,23 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> str:
+        return self.render_chat(messages, ChatTemplateArgs(add_generation_prompt))
+
+    def render_chat(self, messages: list[dict[str, Any]], args: ChatTemplateArgs) -> str:
         """Render chat messages to the prompt text the model was trained on. The messages
-        are already validated (the API's parse_messages): content is a string."""
-        if not self.has_chat_template:
+        are already validated (the API's parse_messages): content is a string. A request's
+        chat_template replaces the model's; transformers runs it in a sandboxed Jinja."""
+        if args.chat_template is None and not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; "
                              "use the completions endpoint with a plain prompt")
         try:
             text = self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+                messages, tools=args.tools, chat_template=args.chat_template,
+                add_generation_prompt=args.add_generation_prompt,
+                continue_final_message=args.continue_final_message, tokenize=False,
+                **args.kwargs)
         except Exception as exc:  # jinja2 errors, including the template's raise_exception()
-            raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
+            raise ValueError(f"the chat template cannot render the messages: {exc}") from exc
         assert isinstance(text, str), type(text)
         return text
 

@@ -38,7 +38,12 @@ def _message() -> st.SearchStrategy[dict[str, Any]]:
     """Mostly a valid message; now and then an unknown role or a null content."""
     content = st.one_of(_text, _text, _text, st.lists(st.fixed_dictionaries(
         {"type": st.just("text"), "text": _text}), max_size=2))
-    valid = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": content})
+    # A tool message needs the tool_call_id it answers (a 400 without one).
+    valid = st.one_of(
+        st.fixed_dictionaries({"role": st.sampled_from([r for r in ROLES if r != "tool"]),
+                               "content": content}),
+        st.fixed_dictionaries({"role": st.just("tool"), "content": content,
+                               "tool_call_id": st.just("call_1")}))
     odd = st.fixed_dictionaries({"role": st.sampled_from([*ROLES, "robot", ""]),
                                  "content": st.one_of(content, st.none())})
     return st.one_of(valid, valid, valid, odd)

@@ -10,7 +10,7 @@ from engine.config import load_config
 
 ALL_FLAGS = [*ENGINE_FLAGS, "--config", "--host", "--port", "--api-key", "--log-level",
              "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-body-bytes",
-             "--request-timeout", "--shutdown-timeout"]
+             "--request-timeout", "--shutdown-timeout", "--trust-request-chat-template"]
 
 
 def test_help_mentions_every_flag() -> None:

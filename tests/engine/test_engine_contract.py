@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.protocol import (
+    ChatTemplateArgs,
     EngineClient,
     EngineDeadError,
     InvalidParamError,
@@ -175,5 +176,12 @@ def test_tokenizer_calls_are_coroutines(make_engine: Callable[[], EngineClient])
         assert ids and await engine.detokenize(ids) == "hello world"
         text = await engine.apply_chat_template([{"role": "user", "content": "hi"}])
         assert isinstance(text, str) and "hi" in text
+        # The template arguments arrive: without the generation prompt, the text is shorter.
+        bare = await engine.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                ChatTemplateArgs(add_generation_prompt=False))
+        assert text.startswith(bare) and len(bare) < len(text)
+        with pytest.raises(ValueError):  # a template that cannot render: a ValueError
+            await engine.apply_chat_template([{"role": "user", "content": "hi"}],
+                                             ChatTemplateArgs(chat_template="RAISE{{ x.y.z }}"))
 
     run(make_engine, body)

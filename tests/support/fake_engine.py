@@ -2,7 +2,7 @@
 
 Tokens are characters (id = code point + 2; 0 = EOS, 1 = BOS). A request "generates" its
 prompt's text tokens again, cycled, honouring max_tokens, stop strings, stop token ids,
-logprobs and prompt logprobs. It speaks the same contract as AsyncEngine (the same
+logprobs and prompt logprobs; or, when `replies` is set, a scripted text (then EOS). It speaks the same contract as AsyncEngine (the same
 RequestStream, the same admission refusals: tests/engine/test_engine_contract.py runs on
 both). Delays, admission errors and mid-stream failures are knobs; aborts are recorded.
 """
@@ -10,6 +10,7 @@ both). Delays, admission errors and mid-stream failures are knobs; aborts are re
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 from engine.outputs import ErrorCode, Logprob, RequestOutput, TokenLogprobs
 from engine.protocol import (
+    ChatTemplateArgs,
     EngineDeadError,
     EngineLimits,
     EngineStats,
@@ -67,6 +69,11 @@ class FakeEngine:
         self.num_waiting = 0
         self.shut_down = False
         self.cached_tokens = 0  # reported as each request's prefix-cache hit (num_cached_tokens)
+        # Scripted output: the k-th submitted request says replies[k % len(replies)], one
+        # character per delta, then stops with EOS (finish_reason "stop").
+        self.replies: list[str] = []
+        self.renders_tools = False  # whether the fake chat template has a tools section
+        self.templates: list[ChatTemplateArgs] = []  # every apply_chat_template call
 
     @property
     def limits(self) -> EngineLimits | None:
@@ -111,11 +118,26 @@ class FakeEngine:
         return "".join(chr(t - OFFSET) for t in token_ids if t >= OFFSET)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]],
-                                  add_generation_prompt: bool = True) -> str:
-        if messages[-1]["content"] == "RAISE":
+                                  args: ChatTemplateArgs | None = None) -> str:
+        """`<role>content` lines; the request's template, kwargs and (when renders_tools)
+        tools and tool_calls show up in the text so tests can see they arrived."""
+        args = args if args is not None else ChatTemplateArgs()
+        self.templates.append(args)
+        if messages[-1]["content"] == "RAISE" or (args.chat_template or "").startswith("RAISE"):
             raise ValueError("Conversation roles must alternate")  # like a jinja template
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+        head = f"[{args.chat_template}]" if args.chat_template is not None else ""
+        head += "".join(f"[{k}={v}]" for k, v in sorted(args.kwargs.items()))
+        if args.tools and self.renders_tools:
+            head += f"<tools>{json.dumps(args.tools)}\n"
+        text = head + "".join(f"<{m['role']}>{m['content']}{self._calls(m)}\n"
+                              for m in messages)
+        if args.continue_final_message:
+            return text[:-1]
+        return text + ("<assistant>" if args.add_generation_prompt else "")
+
+    def _calls(self, message: dict[str, Any]) -> str:
+        calls = message.get("tool_calls")
+        return f"<calls>{json.dumps(calls)}" if calls and self.renders_tools else ""
 
     def stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.active), num_waiting=self.num_waiting,
@@ -139,7 +161,9 @@ class FakeEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.submitted.append(Submitted(request_id, prompt, params, priority, deadline))
         stream = RequestStream(request_id, self._close)
-        run = _Run(self, request_id, list(prompt), params, deadline)
+        script = self.replies[(len(self.submitted) - 1) % len(self.replies)] \
+            if self.replies else None
+        run = _Run(self, request_id, list(prompt), params, deadline, script)
         self._runs[request_id] = asyncio.create_task(self._feed(run, stream))
         return stream
 
@@ -166,10 +190,13 @@ class _Run:
     """One request's generation."""
 
     def __init__(self, engine: FakeEngine, request_id: str, ids: list[int],
-                 params: SamplingParams, deadline: float | None) -> None:
+                 params: SamplingParams, deadline: float | None,
+                 script: str | None = None) -> None:
         self.e, self.rid, self.ids, self.p = engine, request_id, ids, params
         self.deadline = deadline
         self.reply = [t for t in ids if t >= OFFSET] or [tok("x")]
+        if script is not None:
+            self.reply = [tok(c) for c in script] + [EOS]
         self.text = ""
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
@@ -205,6 +232,8 @@ class _Run:
         return self._out((), "", "timeout", None, produced)
 
     def _step(self, t: int, produced: int) -> RequestOutput:
+        if t == EOS:
+            return self._out((t,), "", "stop", None, produced)
         if t in self.p.stop_token_ids:
             return self._out((t,), "", "stop", t, produced)
         new = chr(t - OFFSET)
