@@ -85,6 +85,7 @@ def _jobs(app: AppState, req: CompletionRequest, groups: list[_Group], rid: str,
         max_tokens = check_context(len(group.token_ids), req.sampling.max_tokens,
                                    app.limits().max_model_len, "prompt")
         prompt_logprobs = req.logprobs if req.echo else None
+        app.metrics.observe_params(req.sampling.n, max_tokens)
         for params in build_params(req.sampling, max_tokens, logprobs=req.logprobs,
                                    prompt_logprobs=prompt_logprobs):
             tracker = app.metrics.tracker(len(group.token_ids))

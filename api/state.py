@@ -58,7 +58,7 @@ class AppState:
         try:
             self.lifecycle.check_admitting()
         except APIError as e:
-            self.metrics.rejections.labels(reason=e.reason).inc()
+            self.metrics.reject(e.reason)
             raise
         self.check_ready()
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import ErrorCode, Logprob, RequestOutput, TokenLogprobs
+from engine.outputs import ErrorCode, Logprob, RequestOutput, RequestTimings, TokenLogprobs
 from engine.protocol import (
     EngineDeadError,
     EngineLimits,
@@ -28,6 +28,9 @@ from scheduler.sampling_params import SamplingParams
 
 EOS, BOS, OFFSET = 0, 1, 2
 MAX_ID = 0x110000 + OFFSET
+
+# What the fake engine reports as every finished request's engine-side intervals
+FAKE_TIMINGS = RequestTimings(queue=0.001, prefill=0.002, decode=0.03, inference=0.032)
 
 
 def tok(c: str) -> int:
@@ -220,7 +223,8 @@ class _Run:
         return RequestOutput(self.rid, ids, text, finish_reason=finish, stop_reason=stop,
                              logprobs=lps, num_prompt_tokens=len(self.ids),
                              num_output_tokens=produced,
-                             queue_time=0.001 if finish else None)
+                             queue_time=0.001 if finish else None,
+                             timings=FAKE_TIMINGS if finish else None)
 
     def _lp(self, t: int, n: int | None = None) -> TokenLogprobs:
         n = self.p.logprobs if n is None else n
