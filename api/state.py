@@ -58,7 +58,8 @@ class AppState:
         try:
             self.lifecycle.check_admitting()
         except APIError as e:
-            self.metrics.reject(e.reason)
+            if e.reason is not None:
+                self.metrics.reject(e.reason)
             raise
         self.check_ready()
 

@@ -21,12 +21,12 @@ from scheduler.limits import EngineLimits
 from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
+    "ITERATION_TOKEN_BUCKETS",
     "MAX_LOGPROBS",
     "EngineClient",
     "EngineDeadError",
     "EngineLimits",
     "EngineStats",
-    "ITERATION_TOKEN_BUCKETS",
     "ErrorCode",
     "InvalidParamError",
     "PromptTooLongError",

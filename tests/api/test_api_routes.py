@@ -46,7 +46,7 @@ def test_metrics_names(client: TestClient) -> None:
                  "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert f"pagedserve:{name}" in text, name
     assert 'pagedserve:kv_cache_usage_perc{model_name="fake-model"} 0.25' in text
-    assert ('pagedserve:request_success_total{model_name="fake-model",finished_reason="length"} '
+    assert ('pagedserve:request_success_total{finished_reason="length",model_name="fake-model"} '
             '2.0') in text
     assert 'pagedserve:generation_tokens_total{model_name="fake-model"} 6.0' in text
     assert 'pagedserve:time_to_first_token_seconds_count{model_name="fake-model"} 2.0' in text

@@ -71,7 +71,7 @@ def test_disconnect_counts_aborts_in_metrics() -> None:
     asyncio.run(call(engine, "/v1/completions", body, 2, app))
     assert len(set(engine.aborted)) == 2
     text = app.state.pagedserve.metrics.render().decode()
-    assert ('pagedserve:request_success_total{model_name="fake-model",finished_reason="abort"} '
+    assert ('pagedserve:request_success_total{finished_reason="abort",model_name="fake-model"} '
             '2.0') in text
 
 

@@ -51,3 +51,19 @@ def smollm2_runner() -> ModelRunner:
     return loaded_runner(EngineConfig(model=None, dtype="float32", device="cpu",
                                       num_kv_blocks=256, scheduler=sched))
 
+
+
+@pytest.fixture(scope="session")
+def invariant_llama_runner(tiny_llama: Path) -> ModelRunner:
+    """The tiny Llama in bfloat16 (the default dtype on a bf16 CPU), batch-invariant mode."""
+    return loaded_runner(tiny_config(tiny_llama, dtype="bfloat16", batch_invariant=True,
+                                     num_kv_blocks=256))
+
+
+@pytest.fixture(scope="session")
+def invariant_smollm2_runner() -> ModelRunner:
+    """The real embedded SmolLM2 in bfloat16, batch-invariant mode."""
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
+                            block_size=16)
+    return loaded_runner(EngineConfig(model=None, dtype="bfloat16", device="cpu",
+                                      num_kv_blocks=256, batch_invariant=True, scheduler=sched))
