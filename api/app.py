@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.chat import create_chat_completion
 from api.completions import create_completion
 from api.errors import EXCEPTION_HANDLERS, APIError
-from api.metrics import ServerMetrics
+from api.metrics import DEFAULT_PREFIX, ServerMetrics
 from api.openapi import openapi
 from api.routes import detokenize, health, list_models, metrics, tokenize
 from api.state import DEFAULT_MAX_BODY_BYTES, AppState
@@ -34,7 +34,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None,
                api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                request_timeout: float | None = None,
-               trust_request_chat_template: bool = False) -> Starlette:
+               trust_request_chat_template: bool = False,
+               metrics_prefix: str = DEFAULT_PREFIX) -> Starlette:
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
@@ -48,9 +49,9 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None,
     middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
-    app.state.pagedserve = AppState(engine, ServerMetrics(engine),
-                                    served_model_name or engine.model_name, max_body_bytes,
-                                    request_timeout,
+    model_name = served_model_name or engine.model_name
+    app.state.pagedserve = AppState(engine, ServerMetrics(engine, model_name, metrics_prefix),
+                                    model_name, max_body_bytes, request_timeout,
                                     trust_request_chat_template=trust_request_chat_template)
     return app
 

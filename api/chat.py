@@ -68,6 +68,7 @@ def _jobs(app: AppState, req: ChatRequest, prompt: list[int], rid: str,
                                app.limits().max_model_len, "messages")
     params = build_params(req.sampling, max_tokens, logprobs=req.logprobs,
                           prompt_logprobs=req.options.prompt_logprobs)
+    app.metrics.observe_params(req.sampling.n, max_tokens)
     return [Job(f"{rid}-{i}", prompt, p, req.sampling.priority,
                 app.metrics.tracker(len(prompt)), deadline) for i, p in enumerate(params)]
 

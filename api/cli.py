@@ -16,6 +16,15 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from api.connections import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    ConnectionLimits,
+    uvicorn_config,
+)
+from api.metrics import DEFAULT_PREFIX, check_prefix
 from api.server import DEFAULT_SHUTDOWN_TIMEOUT_S, GracefulServer
 from api.state import DEFAULT_MAX_BODY_BYTES
 
@@ -106,6 +115,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a Jinja chat_template in requests (as vLLM's flag: off by "
                    "default, since a template runs on the server and can be made slow)")
+    _add_connection_flags(p)
+    p.add_argument("--metrics-prefix", type=_metrics_prefix, default=DEFAULT_PREFIX,
+                   help="prefix of every /metrics name before the ':'; `vllm` gives vLLM's "
+                   "names (vllm:num_requests_running ...) so its dashboards and autoscaling "
+                   f"rules work unchanged (default: {DEFAULT_PREFIX})")
     for flag, (_, kind, help_) in ENGINE_FLAGS.items():
         extra: dict[str, Any] = {}
         if flag == "--scheduling-policy":
@@ -116,6 +130,49 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help=f"reuse KV blocks of shared prompt prefixes ({PRESET}, "
                    "else on)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="a request's tokens do not depend on what else is in its batch: the "
+                   "same seeded request samples the same tokens alone or under load, in any "
+                   f"dtype; costs step time, see docs/operations.md ({PRESET}, else off)")
+
+
+def _add_connection_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--limit-concurrency", type=_non_negative_int, default=DEFAULT_LIMIT_CONCURRENCY,
+                   help="open connections (plus requests in flight) past which a new request "
+                   "gets 503, as uvicorn's; 0 = no limit (default: "
+                   f"{DEFAULT_LIMIT_CONCURRENCY})")
+    p.add_argument("--timeout-keep-alive", type=_positive_float,
+                   default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                   help="seconds an idle keep-alive connection stays open, as uvicorn's "
+                   f"(default: {DEFAULT_TIMEOUT_KEEP_ALIVE_S:g})")
+    p.add_argument("--timeout-header", type=_positive_float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a client has from its first byte to the end of the request "
+                   "headers; then the connection is closed (default: "
+                   f"{DEFAULT_HEADER_TIMEOUT_S:g})")
+    p.add_argument("--timeout-body", type=_positive_float, default=DEFAULT_BODY_TIMEOUT_S,
+                   help="seconds a client has from the end of the headers to the end of the "
+                   "body (in all, not per read); then it gets 408 and the connection is closed "
+                   f"(default: {DEFAULT_BODY_TIMEOUT_S:g})")
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(limit_concurrency=args.limit_concurrency or None,
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            header_timeout=args.timeout_header, body_timeout=args.timeout_body)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _metrics_prefix(text: str) -> str:
+    try:
+        return check_prefix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -130,6 +187,7 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {field: getattr(args, flag[2:].replace("-", "_"))
                  for flag, (field, _, _) in ENGINE_FLAGS.items()}
     overrides["enable_prefix_caching"] = args.enable_prefix_caching
+    overrides["batch_invariant"] = args.batch_invariant
     return {k: v for k, v in overrides.items() if v is not None}
 
 
@@ -152,8 +210,6 @@ def serving_threads() -> int:
 
 
 def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from api.app import create_app
     from api.state import AppState
     from engine.async_engine import AsyncEngine  # torch loads here, not at import
@@ -165,11 +221,11 @@ def serve(args: argparse.Namespace) -> None:
     engine = AsyncEngine(config)
     app = create_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
-                     trust_request_chat_template=args.trust_request_chat_template)
+                     trust_request_chat_template=args.trust_request_chat_template,
+                     metrics_prefix=args.metrics_prefix)
     logger.info("serving %s at http://%s:%d/v1 (loading the model in the background; "
                 "/health answers 200 once ready)", engine.model_name, args.host, args.port)
-    http = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                          timeout_graceful_shutdown=10)
+    http = uvicorn_config(app, args.host, args.port, args.log_level, connection_limits(args))
     server = GracefulServer(http, AppState.of_app(app).lifecycle, args.shutdown_timeout)
     # Signals reach the main thread, which hands them to the HTTP server.
     for sig in (signal.SIGINT, signal.SIGTERM):

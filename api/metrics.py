@@ -1,35 +1,71 @@
-"""Prometheus metrics: engine state (read at scrape time) and latencies measured at the API edge.
+"""Prometheus metrics a vLLM dashboard or autoscaler reads unchanged.
 
-Names follow vLLM's with a `pagedserve:` prefix so dashboards carry over. Each app owns a
-registry (never the process-global default one), so several apps can live in one process.
+Names are vLLM's under a configurable prefix (`--metrics-prefix`, default `pagedserve`;
+`vllm` gives `vllm:num_requests_running` and so on), and every series carries a
+`model_name` label, as vLLM's do. Engine state is read at scrape time (EngineStats); the
+per-request engine intervals (queue, prefill, decode, inference) come measured by the
+engine with the final delta (RequestOutput.timings); TTFT, inter-token and end-to-end
+latency are measured at the API edge, where the client sees them. prometheus_client's
+process, GC and platform collectors are registered too; as in vLLM, their series
+(process_*, python_*) carry no model_name. Each app owns a registry (never the
+process-global one), so several apps can live in one process.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    GC_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from engine.outputs import ErrorCode, RequestOutput
-from engine.protocol import EngineClient, EngineStats
+from engine.protocol import ITERATION_TOKEN_BUCKETS, EngineClient, EngineStats
 
-P = "pagedserve:"
+DEFAULT_PREFIX = "pagedserve"
+PREFIX_PATTERN = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+LABEL = "model_name"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5))  # 1 .. 500000
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def check_prefix(prefix: str) -> str:
+    """A metric-name prefix (the part before ':'); ValueError when Prometheus would refuse it."""
+    if not PREFIX_PATTERN.fullmatch(prefix):
+        raise ValueError(f"metrics prefix must match {PREFIX_PATTERN.pattern}, got {prefix!r}")
+    return prefix
 
 
 class EngineCollector(Collector):
-    """Engine gauges and counters, read from engine.stats() at each scrape."""
+    """Engine gauges, counters and the tokens-per-step histogram, read from engine.stats()
+    at each scrape."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, prefix: str, model_name: str) -> None:
         self._engine = engine
+        self._p = prefix + ":"
+        self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         s: EngineStats = self._engine.stats()
@@ -42,7 +78,7 @@ class EngineCollector(Collector):
                                    s.num_free_kv_blocks),
         }
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(P + name, doc, value=value)
+            yield self._one(GaugeMetricFamily(self._p + name, doc, labels=[LABEL]), value)
         counters = {
             "num_preemptions": ("Sequences preempted (recompute).", s.num_preemptions),
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
@@ -51,34 +87,103 @@ class EngineCollector(Collector):
                                   s.prefix_cache_hits),
         }
         for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(P + name, doc, value=value)
+            yield self._one(CounterMetricFamily(self._p + name, doc, labels=[LABEL]), value)
+        yield self._iteration_tokens(s)
+        info = self._cache_config(s)
+        if info is not None:
+            yield info
+
+    def _one(self, family: GaugeMetricFamily | CounterMetricFamily,
+             value: float) -> Metric:
+        family.add_metric([self._model], value)
+        return family
+
+    def _iteration_tokens(self, s: EngineStats) -> Metric:
+        h = HistogramMetricFamily(self._p + "iteration_tokens_total",
+                                  "Tokens per engine step.", labels=[LABEL])
+        counts = s.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+        h.add_metric([self._model], list(zip(bounds, counts, strict=True)),
+                     float(s.iteration_tokens_sum))
+        return h
+
+    def _cache_config(self, s: EngineStats) -> Metric | None:
+        """vLLM's cache_config_info: value 1, the configuration in labels (once loaded)."""
+        limits = self._engine.limits
+        if limits is None:
+            return None
+        labels = {LABEL: self._model, "block_size": str(limits.block_size),
+                  "num_gpu_blocks": str(limits.num_kv_blocks), "cache_dtype": s.cache_dtype,
+                  "enable_prefix_caching": str(s.enable_prefix_caching)}
+        g = GaugeMetricFamily(self._p + "cache_config_info",
+                              "Information of the KV cache configuration.", labels=list(labels))
+        g.add_metric(list(labels.values()), 1.0)
+        return g
 
 
 class ServerMetrics:
-    """The registry of one app plus the edge-measured counters and histograms."""
+    """The registry of one app plus the request counters and histograms."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, model_name: str,
+                 prefix: str = DEFAULT_PREFIX) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        r.register(EngineCollector(engine))
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prefill tokens processed.",
-                                     registry=r)
-        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.",
-                                         registry=r)
-        self.request_success = Counter(P + "request_success", "Finished requests.",
-                                       ["finished_reason"], registry=r)
+        p, self.model_name = check_prefix(prefix) + ":", model_name
+        r.register(EngineCollector(engine, prefix, model_name))
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        if GC_COLLECTOR is not None:  # absent on interpreters without gc.get_stats
+            GCCollector(registry=r)
+        self.prompt_tokens = self._counter(p + "prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = self._counter(p + "generation_tokens", "Tokens generated.")
+        self.request_success = Counter(p + "request_success", "Finished requests.",
+                                       [LABEL, "finished_reason"], registry=r)
         # reason: max_num_queued_reqs | max_num_queued_tokens | prompt_too_long |
         # engine_dead | shutting_down | queue_timeout (admitted, deadline passed in the queue)
-        self.rejections = Counter(P + "admission_rejections", "Requests refused at admission.",
-                                  ["reason"], registry=r)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output deltas.",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency end to end.",
-                             buckets=REQUEST_BUCKETS, registry=r)
-        self.queue_time = Histogram(P + "request_queue_time_seconds",
-                                    "Time spent waiting before first scheduled.",
-                                    buckets=REQUEST_BUCKETS, registry=r)
+        self.rejections = Counter(p + "admission_rejections", "Requests refused at admission.",
+                                  [LABEL, "reason"], registry=r)
+        h = self._histogram
+        self.ttft = h(p + "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = h(p + "inter_token_latency_seconds", "Time between output deltas.",
+                     ITL_BUCKETS)
+        self.tpot = h(p + "time_per_output_token_seconds", "Time per output token (vLLM's "
+                      "older name of inter_token_latency_seconds).", ITL_BUCKETS)
+        self.request_tpot = h(p + "request_time_per_output_token_seconds",
+                              "Per request: decode time / (generated tokens - 1).", ITL_BUCKETS)
+        self.e2e = h(p + "e2e_request_latency_seconds", "Request latency end to end.",
+                     REQUEST_BUCKETS)
+        self.queue_time = h(p + "request_queue_time_seconds",
+                            "Time waiting before first scheduled.", REQUEST_BUCKETS)
+        self.prefill_time = h(p + "request_prefill_time_seconds",
+                              "First scheduled to first token.", REQUEST_BUCKETS)
+        self.decode_time = h(p + "request_decode_time_seconds", "First token to last token.",
+                             REQUEST_BUCKETS)
+        self.inference_time = h(p + "request_inference_time_seconds",
+                                "First scheduled to last token.", REQUEST_BUCKETS)
+        self.request_prompt_tokens = h(p + "request_prompt_tokens", "Prompt tokens per request.",
+                                       TOKEN_BUCKETS)
+        self.request_generation_tokens = h(p + "request_generation_tokens",
+                                           "Generated tokens per request.", TOKEN_BUCKETS)
+        self.params_n = h(p + "request_params_n", "The n parameter of requests.", N_BUCKETS)
+        self.params_max_tokens = h(p + "request_params_max_tokens",
+                                   "The max_tokens of requests (resolved).", TOKEN_BUCKETS)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, [LABEL], registry=self.registry).labels(self.model_name)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, [LABEL], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
+
+    def reject(self, reason: str) -> None:
+        self.rejections.labels(self.model_name, reason).inc()
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
+
+    def observe_params(self, n: int, max_tokens: int) -> None:
+        """Once per API request (a prompt of a completion, a chat), as vLLM counts them."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
 
     def tracker(self, num_prompt_tokens: int) -> RequestTracker:
         return RequestTracker(self, num_prompt_tokens)
@@ -88,7 +193,7 @@ class ServerMetrics:
 
 
 class RequestTracker:
-    """Timing of one engine request, seen from the API edge."""
+    """Timing of one engine request, seen from the API edge, plus the engine's intervals."""
 
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
         self._m = metrics
@@ -103,6 +208,7 @@ class RequestTracker:
                 self._m.ttft.observe(now - self._arrival)
             else:
                 self._m.itl.observe(now - self._last)
+                self._m.tpot.observe(now - self._last)
             self._last = now
             self._m.generation_tokens.inc(len(out.new_token_ids))
         if out.finished:
@@ -110,14 +216,24 @@ class RequestTracker:
 
     def on_abort(self) -> None:
         """The client went away before the engine finished (the final delta is never read)."""
-        self._m.request_success.labels(finished_reason="abort").inc()
+        self._m.finished("abort")
         self._m.e2e.observe(time.monotonic() - self._arrival)
 
     def _finish(self, out: RequestOutput, now: float) -> None:
+        m = self._m
         if out.error_code == ErrorCode.QUEUE_TIMEOUT:  # admitted, but refused late: never ran
-            self._m.rejections.labels(reason="queue_timeout").inc()
-        self._m.prompt_tokens.inc(self._num_prompt_tokens)
-        self._m.request_success.labels(finished_reason=out.finish_reason).inc()
-        self._m.e2e.observe(now - self._arrival)
-        if out.queue_time is not None:
-            self._m.queue_time.observe(out.queue_time)
+            m.reject("queue_timeout")
+        m.prompt_tokens.inc(self._num_prompt_tokens)
+        m.finished(out.finish_reason or "abort")
+        m.e2e.observe(now - self._arrival)
+        m.request_prompt_tokens.observe(out.num_prompt_tokens or self._num_prompt_tokens)
+        m.request_generation_tokens.observe(out.num_output_tokens)
+        t = out.timings
+        if t is None:
+            return
+        for histogram, value in ((m.queue_time, t.queue), (m.prefill_time, t.prefill),
+                                 (m.decode_time, t.decode), (m.inference_time, t.inference)):
+            if value is not None:
+                histogram.observe(value)
+        if t.decode is not None and out.num_output_tokens > 1:
+            m.request_tpot.observe(t.decode / (out.num_output_tokens - 1))

@@ -63,7 +63,8 @@ class AppState:
         try:
             self.lifecycle.check_admitting()
         except APIError as e:
-            self.metrics.rejections.labels(reason=e.reason).inc()
+            if e.reason is not None:
+                self.metrics.reject(e.reason)
             raise
         self.check_ready()
 

@@ -147,7 +147,7 @@ async def start_stream(engine: EngineClient, jobs: list[Job], metrics: ServerMet
         await stream.start()
     except APIError as e:
         if e.reason is not None:
-            metrics.rejections.labels(reason=e.reason).inc()
+            metrics.reject(e.reason)
         raise
     return stream
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.attention_invariant import tiled_prefill_attention
 from engine.step_tensors import to_device
 
 ATTN_NAME = "pagedserve"
@@ -74,6 +75,8 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes packed tokens are single-token queries
     decode_groups: tuple[DecodeGroup, ...]  # they cover [0, num_decodes) in order
     prefills: tuple[PrefillChunk, ...]
+    block_size: int = 16
+    batch_invariant: bool = False  # see engine/attention_invariant.py
 
 
 def build_metadata(
@@ -84,20 +87,30 @@ def build_metadata(
     prefills: list[tuple[int, int, int, list[int]]],
     device: torch.device,
     gather_budget: int | None = None,
+    batch_invariant: bool = False,
 ) -> AttentionMetadata:
     """decodes: (block table, context length) per decode; prefills: (start, n, c, block table).
-    gather_budget: bytes of K + V one decode group may gather (default: the device's)."""
+    gather_budget: bytes of K + V one decode group may gather (default: the device's).
+    batch_invariant: shapes that depend only on each sequence (engine/attention_invariant.py);
+    needs the pool."""
+    invariant = batch_invariant and kv_cache is not None  # the profiling run has no pool
     kv_heads = kv_cache.shape[3] if kv_cache is not None else 1
     slots = to_device(slot_mapping, torch.long, device)  # [T]
     budget = decode_gather_budget(device) if gather_budget is None else gather_budget
-    spans = split_decodes([len(bt) for bt, _ in decodes], _block_gather_bytes(kv_cache), budget)
+    if invariant:  # each decode padded to its own width, grouped only with equal widths
+        decodes = [(bt[:-(-ctx // block_size)], ctx) for bt, ctx in decodes]
+    spans = split_decodes([len(bt) for bt, _ in decodes], _block_gather_bytes(kv_cache), budget,
+                          equal_widths=invariant)
     return AttentionMetadata(
         kv_cache=kv_cache,
         write_blocks=slots // block_size,
         write_offsets=slots % block_size,
         num_decodes=len(decodes),
         decode_groups=_decode_groups(decodes, spans, block_size, kv_heads, device),
-        prefills=tuple(_prefill_chunk(*p, block_size, kv_heads, device) for p in prefills),
+        prefills=tuple(_prefill_chunk(*p, block_size, kv_heads, device, invariant)
+                       for p in prefills),
+        block_size=block_size,
+        batch_invariant=invariant,
     )
 
 
@@ -109,15 +122,18 @@ def _block_gather_bytes(kv_cache: torch.Tensor | None) -> int:
     return 2 * kv_heads * block_size * head_dim * kv_cache.element_size()
 
 
-def split_decodes(num_blocks: list[int], block_bytes: int, budget: int) -> list[tuple[int, int]]:
+def split_decodes(num_blocks: list[int], block_bytes: int, budget: int,
+                  equal_widths: bool = False) -> list[tuple[int, int]]:
     """Cut the decodes (their block-table lengths, in packed order) into consecutive
     [start, end) groups whose padded gather, size * widest table * block_bytes, stays within
-    budget. A decode over the budget on its own still gets a group (of one)."""
+    budget. A decode over the budget on its own still gets a group (of one). equal_widths:
+    a group also ends where the table length changes (no decode is padded)."""
     groups: list[tuple[int, int]] = []
     start, widest = 0, 0
     for i, nb in enumerate(num_blocks):
         wider = max(widest, nb)
-        if i > start and (i + 1 - start) * wider * block_bytes > budget:
+        if i > start and ((i + 1 - start) * wider * block_bytes > budget
+                          or (equal_widths and nb != widest)):
             groups.append((start, i))
             start, wider = i, nb
         widest = wider
@@ -157,8 +173,8 @@ def pool_rows(tables: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _prefill_chunk(start: int, n: int, c: int, table: list[int], block_size: int,
-                   kv_heads: int, device: torch.device) -> PrefillChunk:
-    if c == 0:  # the whole context is in this step's k/v: plain causal attention
+                   kv_heads: int, device: torch.device, invariant: bool = False) -> PrefillChunk:
+    if c == 0 and not invariant:  # the whole context is in this step's k/v: plain causal
         return PrefillChunk(start, n, 0, None, None)
     blocks = to_device(table[:-(-(c + n) // block_size)], torch.long, device)
     pos = torch.arange(c + n, device=device)
@@ -206,8 +222,12 @@ def paged_attention(
         out[group.start:group.end] = decode_attention(q[:, group.start:group.end], k_pool,
                                                       v_pool, group, scale)
     for chunk in meta.prefills:
-        out[chunk.start:chunk.start + chunk.num_tokens] = prefill_attention(
-            q, k, v, k_pool, v_pool, chunk, scale)
+        if meta.batch_invariant:
+            assert k_pool is not None and v_pool is not None
+            part = tiled_prefill_attention(q, k_pool, v_pool, chunk, meta.block_size, scale)
+        else:
+            part = prefill_attention(q, k, v, k_pool, v_pool, chunk, scale)
+        out[chunk.start:chunk.start + chunk.num_tokens] = part
     return out[None], None  # [1, T, H, hd], as HF's sdpa_attention_forward returns
 
 

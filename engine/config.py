@@ -24,6 +24,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # KV pool bytes; None = default for the device
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory the engine may use
     num_threads: int | None = None  # torch CPU threads; None = all cores
+    # A request's tokens do not depend on what else is in its step (engine/batch_invariant.py)
+    batch_invariant: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

@@ -12,7 +12,9 @@ Single-threaded by contract: AsyncEngine calls every method from its one engine 
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import logging
 import time
 import traceback
@@ -21,8 +23,8 @@ from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.outputs import ErrorCode, Logprob, RequestOutput, TokenLogprobs
-from engine.protocol import EngineLimits, EngineStats, InvalidParamError
+from engine.outputs import ErrorCode, Logprob, RequestOutput, RequestTimings, TokenLogprobs
+from engine.protocol import ITERATION_TOKEN_BUCKETS, EngineLimits, EngineStats, InvalidParamError
 from engine.runner_output import RunnerOutput, TokenLogprobIds
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.output import SchedulerOutput
@@ -43,6 +45,8 @@ class _Request:
     sent_first: bool = False
     prompt_logprobs: list[TokenLogprobIds] = field(default_factory=list)
     deadline: float | None = None  # time.monotonic() after which the request times out
+    first_token_time: float | None = None  # time.monotonic() of its first and latest token
+    last_token_time: float | None = None
 
 
 class LLMEngine:
@@ -60,6 +64,9 @@ class LLMEngine:
         self._tokenizer: Tokenizer | None = None
         self._scheduler: Scheduler | None = None
         self._limits: EngineLimits | None = None
+        # Steps per tokens-per-step bucket (ITERATION_TOKEN_BUCKETS, then +Inf)
+        self._iteration_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
 
     def load(self) -> None:
         """Load the model, size the KV pool, resolve the limits and build the scheduler."""
@@ -176,6 +183,7 @@ class LLMEngine:
         self._collect_prompt_logprobs(batch, result)
         updated = self.scheduler.postprocess(batch, result.sampled_token_ids)
         self.num_steps += 1
+        self._count_iteration(batch.total_num_scheduled_tokens)
         for seq in updated:
             out = self._make_output(seq, result)
             if out is not None:
@@ -233,6 +241,9 @@ class LLMEngine:
             self.scheduler.stop_on_string(seq, stop_str)
         logprobs = self._sampled_logprobs(seq, result, len(new_ids))
         req.num_sent_tokens += len(new_ids)
+        if new_ids:  # timestamps for the request's timings (time.monotonic, as the scheduler)
+            req.last_token_time = time.monotonic()
+            req.first_token_time = req.first_token_time or req.last_token_time
         if seq.is_finished:
             tail = "" if stop_str is not None else req.detok.flush()
             return self._end(req, text + tail, logprobs, tuple(new_ids))
@@ -288,7 +299,7 @@ class LLMEngine:
                       else seq.first_scheduled_time - seq.arrival_time)
         return replace(base, finish_reason=finish_reason or seq.status.finish_reason,
                        stop_reason=self._stop_reason(seq), queue_time=queue_time, error=error,
-                       error_code=error_code)
+                       error_code=error_code, timings=_timings(req))
 
     def _stop_reason(self, seq: Sequence) -> int | str | None:
         """As vLLM: None for EOS, the token id for a stop_token_ids hit, or the stop string."""
@@ -305,6 +316,11 @@ class LLMEngine:
 
     # ---- stats ----------------------------------------------------------------------------
 
+    def _count_iteration(self, num_tokens: int) -> None:
+        i = bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)  # first bound >= it
+        self._iteration_counts[i] += 1
+        self._iteration_tokens_sum += num_tokens
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         bm = s.block_manager
@@ -312,4 +328,22 @@ class LLMEngine:
             num_running=s.num_running, num_waiting=s.num_waiting,
             num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
             num_preemptions=s.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits, num_steps=self.num_steps)
+            prefix_cache_hits=bm.prefix_cache_hits, num_steps=self.num_steps,
+            iteration_tokens=tuple(itertools.accumulate(self._iteration_counts)),
+            iteration_tokens_sum=self._iteration_tokens_sum,
+            cache_dtype=str(getattr(self.runner, "dtype", "")).removeprefix("torch."),
+            enable_prefix_caching=self.config.scheduler.enable_prefix_caching)
+
+
+def _timings(req: _Request) -> RequestTimings:
+    """The request's intervals from the timestamps taken as things happened (see
+    RequestTimings); the scheduler stamps first_scheduled_time, _make_output the tokens."""
+    seq = req.seq
+    scheduled, first, last = seq.first_scheduled_time, req.first_token_time, req.last_token_time
+    if scheduled is None:
+        return RequestTimings()
+    queue = scheduled - seq.arrival_time
+    if first is None or last is None:
+        return RequestTimings(queue=queue)
+    return RequestTimings(queue=queue, prefill=first - scheduled, decode=last - first,
+                          inference=last - scheduled)

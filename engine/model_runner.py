@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import attention
+from engine import attention, batch_invariant
 from engine.attention import AttentionMetadata, build_metadata
 from engine.config import EngineConfig
 from engine.loader import load_model
@@ -88,6 +88,8 @@ class ModelRunner:
         loaded = load_model(self.config.model, self.config.device, self.config.dtype)
         self.model = loaded.model
         self.model.set_attn_implementation(attention.ATTN_NAME)
+        if self.config.batch_invariant:
+            batch_invariant.enable(self.model)
         self.tokenizer = loaded.tokenizer
         self.facts = facts = loaded.facts
         self.device: torch.device = self.model.device
@@ -222,7 +224,8 @@ class ModelRunner:
             input_ids=to_device([flat.ids], long, dev),
             position_ids=to_device([flat.positions], long, dev),
             metadata=build_metadata(self.kv_cache, self.block_size, flat.slots, flat.decodes,
-                                    flat.prefills, dev),
+                                    flat.prefills, dev,
+                                    batch_invariant=self.config.batch_invariant),
             keep=to_device(flat.keep, long, dev),
             sample_ids=[seq.seq_id for seq in sampled],
             sample_rows=to_device([r for _, r in sample_rows], long, dev) if sampled else None,
@@ -233,8 +236,12 @@ class ModelRunner:
         )
 
     def _flatten(self, batch: SchedulerOutput) -> _Flat:
-        """The batch as lists: decode tokens (n == 1) first, then prefill chunks."""
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_scheduled_tokens[i] != 1)
+        """The batch as lists: decode tokens (n == 1) first, then prefill chunks. In
+        batch-invariant mode decodes go by context length, so equal widths form one group."""
+        invariant = self.config.batch_invariant
+        order = sorted(range(len(batch.seqs)), key=lambda i: (
+            batch.num_scheduled_tokens[i] != 1,
+            batch.seqs[i].num_computed_tokens // self.block_size if invariant else 0))
         flat = _Flat()
         for i in order:
             seq, n = batch.seqs[i], batch.num_scheduled_tokens[i]

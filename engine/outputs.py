@@ -32,6 +32,20 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Where one request's time went, measured by the engine as it happened (seconds, one
+    monotonic clock), sent with the final delta. Intervals as vLLM defines them: queue =
+    arrival to first scheduled; prefill = first scheduled to first token; decode = first to
+    last token; inference = first scheduled to last token. None: that event never came (a
+    request that was never scheduled, or that produced no token)."""
+
+    queue: float | None = None
+    prefill: float | None = None
+    decode: float | None = None
+    inference: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """One step's delta for one request. Deltas concatenate to the full answer."""
 
@@ -49,6 +63,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling (final delta)
+    timings: RequestTimings | None = None  # final delta only
     error: str | None = None  # set when the engine failed this request
     error_code: ErrorCode | None = None  # why, when error is set
 

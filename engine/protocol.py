@@ -21,6 +21,7 @@ from scheduler.limits import EngineLimits
 from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 __all__ = [
+    "ITERATION_TOKEN_BUCKETS",
     "MAX_LOGPROBS",
     "ChatTemplateArgs",
     "EngineClient",
@@ -41,6 +42,10 @@ __all__ = [
 
 class EngineDeadError(Exception):
     """The engine loop died or is not running; requests cannot be served (HTTP 503)."""
+
+
+# Upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total); +Inf follows.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +76,13 @@ class EngineStats:
     # Requests finished per second over the last half minute (None: too few to tell); the
     # API turns it into a 429's Retry-After.
     finish_rate: float | None = None
+    # Tokens per step: cumulative counts per ITERATION_TOKEN_BUCKETS bound, then +Inf (empty
+    # before the first step), and the sum of all steps' tokens.
+    iteration_tokens: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
+    # The KV cache's configuration (static; /metrics shows it as cache_config_info).
+    cache_dtype: str = ""
+    enable_prefix_caching: bool = False
 
     @property
     def kv_cache_usage(self) -> float:

@@ -190,7 +190,7 @@ def test_admission_errors(error: Exception, status: int, code: str, reason: str,
             assert r.headers["retry-after"] == "8"
             engine.finish_rate = None
         count = 2.0 if status == 429 else 1.0
-        assert f'admission_rejections_total{{reason="{reason}"}} {count}' in \
+        assert f'admission_rejections_total{{model_name="fake-model",reason="{reason}"}} {count}' in \
             client.get("/metrics").text
         r = client.post("/v1/chat/completions", json={"messages": MSG, "stream": stream})
         assert_error(r, status, code=code)

@@ -45,11 +45,12 @@ def test_metrics_names(client: TestClient) -> None:
                  "time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert f"pagedserve:{name}" in text, name
-    assert "pagedserve:kv_cache_usage_perc 0.25" in text
-    assert 'pagedserve:request_success_total{finished_reason="length"} 2.0' in text
-    assert "pagedserve:generation_tokens_total 6.0" in text
-    assert "pagedserve:time_to_first_token_seconds_count 2.0" in text
-    assert "pagedserve:inter_token_latency_seconds_count 4.0" in text
+    assert 'pagedserve:kv_cache_usage_perc{model_name="fake-model"} 0.25' in text
+    assert ('pagedserve:request_success_total{finished_reason="length",model_name="fake-model"} '
+            '2.0') in text
+    assert 'pagedserve:generation_tokens_total{model_name="fake-model"} 6.0' in text
+    assert 'pagedserve:time_to_first_token_seconds_count{model_name="fake-model"} 2.0' in text
+    assert 'pagedserve:inter_token_latency_seconds_count{model_name="fake-model"} 4.0' in text
 
 
 def test_registry_per_app() -> None:

@@ -5,12 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from api.cli import ENGINE_FLAGS, build_parser, config_overrides
+import pytest
+
+from api.cli import ENGINE_FLAGS, build_parser, config_overrides, connection_limits
+from api.connections import ConnectionLimits
 from engine.config import load_config
 
 ALL_FLAGS = [*ENGINE_FLAGS, "--config", "--host", "--port", "--api-key", "--log-level",
              "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-body-bytes",
-             "--request-timeout", "--shutdown-timeout", "--trust-request-chat-template"]
+             "--request-timeout", "--shutdown-timeout", "--limit-concurrency",
+             "--timeout-keep-alive", "--timeout-header", "--timeout-body", "--metrics-prefix",
+             "--batch-invariant", "--no-batch-invariant",
+             "--trust-request-chat-template"]
 
 
 def test_help_mentions_every_flag() -> None:
@@ -52,3 +58,19 @@ def test_timeouts_must_be_positive() -> None:
             assert e.code == 2
         else:
             raise AssertionError(f"--shutdown-timeout {bad} was accepted")
+
+
+def test_connection_metrics_and_batch_invariant_flags() -> None:
+    parse = build_parser().parse_args
+    assert connection_limits(parse(["serve"])) == ConnectionLimits()
+    args = parse(["serve", "--limit-concurrency", "0", "--timeout-keep-alive", "2",
+                  "--timeout-header", "3", "--timeout-body", "4.5", "--metrics-prefix", "vllm",
+                  "--batch-invariant"])
+    assert connection_limits(args) == ConnectionLimits(None, 2.0, 3.0, 4.5)
+    assert args.metrics_prefix == "vllm" and config_overrides(args)["batch_invariant"] is True
+    assert "batch_invariant" not in config_overrides(parse(["serve"]))  # the preset decides
+    for bad in (["--limit-concurrency", "-1"], ["--timeout-body", "0"],
+                ["--metrics-prefix", "vllm:"]):
+        with pytest.raises(SystemExit) as e:
+            parse(["serve", *bad])
+        assert e.value.code == 2

@@ -71,7 +71,8 @@ def test_disconnect_counts_aborts_in_metrics() -> None:
     asyncio.run(call(engine, "/v1/completions", body, 2, app))
     assert len(set(engine.aborted)) == 2
     text = app.state.pagedserve.metrics.render().decode()
-    assert 'pagedserve:request_success_total{finished_reason="abort"} 2.0' in text
+    assert ('pagedserve:request_success_total{finished_reason="abort",model_name="fake-model"} '
+            '2.0') in text
 
 
 def test_finished_requests_are_not_aborted() -> None:
@@ -99,7 +100,7 @@ def test_cancel_while_choices_are_being_admitted_closes_the_admitted_ones() -> N
     async def main() -> SlowAdmission:
         engine = SlowAdmission(token_delay=0.05)
         await engine.start()
-        metrics = ServerMetrics(engine)
+        metrics = ServerMetrics(engine, "fake-model")
         params = SamplingParams(max_tokens=50)
         jobs = [Job(f"r-{i}", [5, 6], params, 0, metrics.tracker(2)) for i in range(2)]
         stream = MergedStream(engine, jobs)

@@ -67,7 +67,7 @@ def test_queue_timeout_is_503_or_an_error_event() -> None:
         events = sse_json(r.text)
         assert events[-1]["error"]["code"] == "queue_timeout"
         metrics = client.get("/metrics").text
-        assert 'admission_rejections_total{reason="queue_timeout"} 2.0' in metrics
+        assert 'admission_rejections_total{model_name="fake-model",reason="queue_timeout"} 2.0' in metrics
 
 
 def test_timeout_mid_generation_keeps_what_was_generated() -> None:
@@ -95,7 +95,7 @@ def test_draining_refuses_new_requests_with_503() -> None:
                             {"messages": [{"role": "user", "content": "hi"}]})]:
             assert_error(client.post(path, json=body), 503, code="server_shutting_down")
         assert_error(client.get("/health"), 503, code="server_shutting_down")
-        assert 'admission_rejections_total{reason="shutting_down"} 2.0' in \
+        assert 'admission_rejections_total{model_name="fake-model",reason="shutting_down"} 2.0' in \
             client.get("/metrics").text
         assert engine.submitted == []
 

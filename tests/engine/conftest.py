@@ -56,7 +56,6 @@ def smollm2_runner() -> ModelRunner:
                                       num_kv_blocks=256, scheduler=sched))
 
 
-
 @pytest.fixture(scope="session")
 def smol(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """SmolLM2's tokenizer: parsed from the GGUF (~3-6 s) once, then kept as tokenizer.json
@@ -74,3 +73,19 @@ def smol(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) 
     if not (cache / "tokenizer.json").exists():
         AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_NAME).save_pretrained(cache)
     return Tokenizer(AutoTokenizer.from_pretrained(cache))
+
+
+@pytest.fixture(scope="session")
+def invariant_llama_runner(tiny_llama: Path) -> ModelRunner:
+    """The tiny Llama in bfloat16 (the default dtype on a bf16 CPU), batch-invariant mode."""
+    return loaded_runner(tiny_config(tiny_llama, dtype="bfloat16", batch_invariant=True,
+                                     num_kv_blocks=256))
+
+
+@pytest.fixture(scope="session")
+def invariant_smollm2_runner() -> ModelRunner:
+    """The real embedded SmolLM2 in bfloat16, batch-invariant mode."""
+    sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
+                            block_size=16)
+    return loaded_runner(EngineConfig(model=None, dtype="bfloat16", device="cpu",
+                                      num_kv_blocks=256, batch_invariant=True, scheduler=sched))

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import ErrorCode, Logprob, RequestOutput, TokenLogprobs
+from engine.outputs import ErrorCode, Logprob, RequestOutput, RequestTimings, TokenLogprobs
 from engine.protocol import (
     ChatTemplateArgs,
     EngineDeadError,
@@ -30,6 +30,9 @@ from scheduler.sampling_params import SamplingParams
 
 EOS, BOS, OFFSET = 0, 1, 2
 MAX_ID = 0x110000 + OFFSET
+
+# What the fake engine reports as every finished request's engine-side intervals
+FAKE_TIMINGS = RequestTimings(queue=0.001, prefill=0.002, decode=0.03, inference=0.032)
 
 
 def tok(c: str) -> int:
@@ -252,7 +255,8 @@ class _Run:
                              logprobs=lps, num_prompt_tokens=len(self.ids),
                              num_output_tokens=produced,
                              num_cached_tokens=self.e.cached_tokens,
-                             queue_time=0.001 if finish else None)
+                             queue_time=0.001 if finish else None,
+                             timings=FAKE_TIMINGS if finish else None)
 
     def _lp(self, t: int, n: int | None = None) -> TokenLogprobs:
         n = self.p.logprobs if n is None else n

@@ -1,0 +1,91 @@
+"""/metrics as vLLM's: names under --metrics-prefix, a model_name label on every series, the
+series vLLM dashboards read, the default process and GC collectors."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.app import create_app
+from api.metrics import check_prefix
+from tests.support.apitools import serve
+from tests.support.fake_engine import FakeEngine
+
+# vLLM's metric names that we claim, as vLLM exposes them (counters with their _total).
+VLLM_NAMES = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_success_total", "vllm:iteration_tokens_total", "vllm:cache_config_info",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds", "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens", "vllm:request_params_n", "vllm:request_params_max_tokens",
+]
+DEFAULT_COLLECTORS = ["python_gc_objects_collected_total", "python_gc_collections_total",
+                      "python_info", "process_cpu_seconds_total",
+                      "process_resident_memory_bytes"]
+
+
+def scrape(prefix: str, served: str = "my-model") -> dict[str, dict[tuple, float]]:
+    """One completion (n=2) and one chat, then /metrics as {sample name: {labels: value}}."""
+    with serve(FakeEngine(), metrics_prefix=prefix, served_model_name=served) as client:
+        client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "n": 2})
+        client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        text = client.get("/metrics").text
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+def test_vllm_prefix_gives_vllm_names_with_model_name_on_every_series() -> None:
+    samples = scrape("vllm")
+    names = set(samples)
+    missing = [n for n in VLLM_NAMES
+               if not {n, n + "_count", n + "_bucket"} & names]
+    assert not missing, missing
+    assert set(DEFAULT_COLLECTORS) <= names
+    ours = [n for n in names if ":" in n]
+    assert ours and all(n.startswith("vllm:") for n in ours)
+    for name in ours:  # the default collectors (process_*, python_*) are unlabelled, as in vLLM
+        for labels in samples[name]:
+            assert ("model_name", "my-model") in labels, (name, labels)
+
+
+def test_request_series_values() -> None:
+    s = scrape("pagedserve")
+    one = (("model_name", "my-model"),)
+
+    def count(name: str) -> float:
+        return s[f"pagedserve:{name}_count"][one]
+
+    # 3 engine requests (2 choices + 1 chat), each with the fake engine's timings
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens",
+                 "request_time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert count(name) == 3, name
+    assert s["pagedserve:request_decode_time_seconds_sum"][one] == pytest.approx(0.09)
+    assert s["pagedserve:request_generation_tokens_sum"][one] == 3 + 3 + 4
+    assert s["pagedserve:request_time_per_output_token_seconds_sum"][one] == pytest.approx(
+        0.03 / 2 * 2 + 0.03 / 3)
+    # params: once per API request, n as asked
+    assert count("request_params_n") == 2
+    assert s["pagedserve:request_params_n_sum"][one] == 3
+    assert s["pagedserve:request_params_max_tokens_sum"][one] == 7
+    assert count("time_per_output_token_seconds") == count("inter_token_latency_seconds") == 7
+    info = next(iter(s["pagedserve:cache_config_info"]))
+    assert dict(info)["model_name"] == "my-model" and "block_size" in dict(info)
+
+
+@pytest.mark.parametrize("prefix", ["", "vllm:", "1abc", "a-b"])
+def test_bad_prefix_is_refused(prefix: str) -> None:
+    with pytest.raises(ValueError, match="metrics prefix"):
+        check_prefix(prefix)
+    with pytest.raises(ValueError, match="metrics prefix"):
+        create_app(FakeEngine(), metrics_prefix=prefix)
