@@ -21,7 +21,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 CHAT_FIELDS: dict[str, str] = {
     **SAMPLING_FIELDS, "messages": "array", "max_completion_tokens": "integer",
     "logprobs": "boolean", "top_logprobs": "integer", "add_generation_prompt": "boolean",
-    "tools": "array", "tool_choice": "string|object", "response_format": "object",
+    "tools": "array", "tool_choice": "string|object",
     "functions": "array", "parallel_tool_calls": "boolean",
 }
 
@@ -108,7 +108,3 @@ def _check_unsupported(body: dict[str, Any]) -> None:
     for name in ("tools", "functions"):
         if body.get(name):
             raise bad_request(f"{name} is not supported", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("response_format other than {\"type\": \"text\"} is not supported",
-                          param="response_format")

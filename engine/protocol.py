@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from engine.outputs import ErrorCode, RequestOutput
 from scheduler.errors import InvalidParamError, PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.limits import EngineLimits
-from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams
+from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "MAX_LOGPROBS",
@@ -34,6 +34,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SchedulerError",
+    "StructuredOutputsParams",
 ]
 
 
