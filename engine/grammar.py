@@ -35,21 +35,24 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 class CompiledGrammar:
-    """An immutable compiled grammar: shared by every sequence with the same (kind, spec)."""
+    """An immutable compiled grammar: shared by every sequence with the same (kind, spec).
+    `is_json`: its output is JSON, which never holds a raw control character."""
 
-    __slots__ = ("_compiled",)
+    __slots__ = ("_compiled", "is_json")
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, is_json: bool) -> None:
         self._compiled = compiled
+        self.is_json = is_json
 
 
 class Matcher:
     """One sequence's position in its grammar. Not thread-safe: the engine thread owns it."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "is_json")
 
     def __init__(self, grammar: CompiledGrammar) -> None:
         self._m = xgr.GrammarMatcher(grammar._compiled)
+        self.is_json = grammar.is_json
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar does not allow it."""
@@ -88,6 +91,12 @@ class GrammarBackend:
         # allowed in a constrained row (stop tokens keep the grammar's say).
         special = getattr(hf_tokenizer, "all_special_ids", []) or []
         self.forbidden = tuple(sorted({t for t in special if 0 <= t < vocab_size} - set(stops)))
+        # xgrammar 0.2.9 lets a string with minLength/maxLength hold raw control characters
+        # ([^"\\\r\n]), which JSON forbids (and json.loads refuses): JSON rows never get a
+        # token with a byte below 0x20. Valid JSON never needs one (whitespace is optional).
+        self.forbidden_in_json = tuple(sorted(set(self.forbidden).union(
+            t for t, text in enumerate(info.decoded_vocab)
+            if t not in stops and any(b < 0x20 for b in text))))
 
     @property
     def words(self) -> int:
@@ -96,7 +105,7 @@ class GrammarBackend:
     def compile(self, so: StructuredOutputsParams) -> CompiledGrammar:
         """Raises GrammarError when the spec cannot be compiled."""
         try:
-            return CompiledGrammar(self._compile(so))
+            return CompiledGrammar(self._compile(so), so.kind in ("json", "json_object"))
         except GrammarError:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...

@@ -53,7 +53,9 @@ class StructuredOutputs:
         self._cache: OrderedDict[str, GrammarFuture] = OrderedDict()
         self._lock = threading.Lock()  # the event loop and the engine thread both compile
         self._bitmask = torch.empty(0, self.backend.words, dtype=torch.int32)
-        self._keep = self._keep_words(self.backend.forbidden, self.backend.words)
+        words = self.backend.words
+        self._keep = self._keep_words(self.backend.forbidden, words)
+        self._keep_json = self._keep_words(self.backend.forbidden_in_json, words)
         self.num_compiles = 0  # compiles started (cache misses)
 
     def compile(self, so: StructuredOutputsParams) -> GrammarFuture:
@@ -83,10 +85,10 @@ class StructuredOutputs:
                                         dtype=torch.int32)
         for row, m in enumerate(matchers):
             m.fill_bitmask(self._bitmask, row)
-        rows = self._bitmask[:c]
-        if self._keep is not None:
-            rows &= self._keep
-        return GrammarMasks(tuple(seq_ids), rows.clone())
+            keep = self._keep_json if m.is_json else self._keep
+            if keep is not None:
+                self._bitmask[row] &= keep
+        return GrammarMasks(tuple(seq_ids), self._bitmask[:c].clone())
 
     @staticmethod
     def _keep_words(forbidden: tuple[int, ...], words: int) -> torch.Tensor | None:
