@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.sampling_batch import GrammarMasks
 from engine.grammar import CompiledGrammar, GrammarBackend, GrammarError, Matcher
+from engine.sampling_batch import GrammarMasks
 from scheduler.errors import InvalidParamError
 from scheduler.sampling_params import StructuredOutputsParams
 

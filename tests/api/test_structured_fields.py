@@ -87,7 +87,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
 
 
 def _route(route: str, fields: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    body = {"messages": MSG} if route == "chat" else {"prompt": "hi"}
+    body: dict[str, Any] = {"messages": MSG} if route == "chat" else {"prompt": "hi"}
     body.update(max_tokens=2, **fields)
     return ("/v1/chat/completions" if route == "chat" else "/v1/completions"), body
 
