@@ -94,7 +94,7 @@ class Driver:
         self.kinds: dict[str, bool] = {}  # request id -> constrained
         self.next_id = 0
         self.fill_s: list[float] = []
-        fill = engine._grammar_masks
+        fill = engine.grammars.masks
 
         def timed_fill(batch: Any) -> Any:  # the bitmask's share of the step
             t0 = time.perf_counter()
@@ -102,7 +102,7 @@ class Driver:
             if masks is not None:
                 self.fill_s.append(time.perf_counter() - t0)
             return masks
-        engine._grammar_masks = timed_fill  # type: ignore[method-assign]
+        engine.grammars.masks = timed_fill  # type: ignore[method-assign]
 
     def top_up(self, constrained: int) -> None:
         """Abort the surplus of each kind, add what is missing."""

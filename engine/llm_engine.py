@@ -12,7 +12,6 @@ Single-threaded by contract: AsyncEngine calls every method from its one engine 
 
 from __future__ import annotations
 
-import concurrent.futures
 import heapq
 import logging
 import time
@@ -21,13 +20,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
-from engine.grammar import CompiledGrammar, Matcher
+from engine.grammar_tracker import GrammarTracker
 from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, Logprob, RequestOutput, TokenLogprobs
 from engine.protocol import EngineLimits, EngineStats, InvalidParamError
 from engine.runner_output import RunnerOutput, TokenLogprobIds
-from engine.sampling_batch import GrammarMasks
-from engine.structured import StructuredOutputs, param_error
+from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
@@ -47,9 +45,6 @@ class _Request:
     sent_first: bool = False
     prompt_logprobs: list[TokenLogprobIds] = field(default_factory=list)
     deadline: float | None = None  # time.monotonic() after which the request times out
-    # Structured outputs: the compile (until it is done), then the sequence's matcher.
-    grammar: concurrent.futures.Future[CompiledGrammar] | None = None
-    matcher: Matcher | None = None
 
 
 class LLMEngine:
@@ -69,7 +64,7 @@ class LLMEngine:
         self._limits: EngineLimits | None = None
         self._structured: StructuredOutputs | None = None
         self._structured_error = "not loaded"  # why _structured is None
-        self._compiling: dict[str, _Request] = {}  # requests waiting for their grammar
+        self.grammars = GrammarTracker(lambda: self.structured)
 
     def load(self) -> None:
         """Load the model, size the KV pool, resolve the limits and build the scheduler."""
@@ -151,15 +146,14 @@ class LLMEngine:
         self.check_token_ids("prompt", ids)
         self.check_token_ids("logit_bias", params.logit_bias)
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
-        so = params.structured_outputs
-        grammar = None if so is None else self.structured.compile(so)  # a cache hit is done
+        grammar = self.grammars.start(params)  # in the pool; a cache hit is done already
         seq = Sequence(request_id, ids, params, priority, arrival_time)
         req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params),
-                       deadline=deadline, grammar=grammar)
-        self.scheduler.add(seq)  # last: nothing after it may fail and orphan the sequence
+                       deadline=deadline)
+        self.scheduler.add(seq)  # nothing after these may fail and orphan the sequence
         self.requests[request_id] = req
         if grammar is not None:
-            self._compiling[request_id] = req
+            self.grammars.track(seq, grammar)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, request_id))
             if len(self._deadlines) > 2 * len(self.requests) + 64:
@@ -187,16 +181,12 @@ class LLMEngine:
 
     def has_runnable(self) -> bool:
         """Some request can make progress now: unfinished, and not waiting for a compile."""
-        waiting = sum(not r.grammar.done() for r in self._compiling.values()
-                      if r.grammar is not None)
-        return len(self.requests) > waiting
+        return len(self.requests) > self.grammars.num_compiling
 
     def wait_for_grammars(self, timeout: float | None = None) -> None:
         """Block until some pending compile finishes (a synchronous caller with nothing
         runnable; the AsyncEngine waits on its inbox instead)."""
-        pending = [r.grammar for r in self._compiling.values() if r.grammar is not None]
-        if pending:
-            concurrent.futures.wait(pending, timeout, concurrent.futures.FIRST_COMPLETED)
+        self.grammars.wait(timeout)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -204,8 +194,7 @@ class LLMEngine:
         """One step's deltas. Never raises for a failed forward: see _fail_step."""
         # Deadlines first: a request past its own answers timeout even if this step fails.
         outputs = self._expire_deadlines(self.clock()) if self._deadlines else []
-        if self._compiling:
-            outputs += self._install_grammars()
+        outputs += self._install_grammars()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
@@ -220,65 +209,26 @@ class LLMEngine:
     def _run(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         """Forward, postprocess and deltas. Each delta is appended as soon as it is built: if a
         later one raises, the requests already ended keep their final delta."""
-        result = self.runner.execute(batch, self._grammar_masks(batch))
+        result = self.runner.execute(batch, self.grammars.masks(batch))
         self._collect_prompt_logprobs(batch, result)
         updated = self.scheduler.postprocess(batch, result.sampled_token_ids)
         self.num_steps += 1
-        self._advance_matchers(updated)
+        # A grammar that has ended finishes its sequence, whatever min_tokens or ignore_eos say.
+        for seq in self.grammars.advance(updated):
+            self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, seq.last_token_id)
         for seq in updated:
             out = self._make_output(seq, result)
             if out is not None:
                 outputs.append(out)
 
-    # ---- structured outputs ---------------------------------------------------------------
-
     def _install_grammars(self) -> list[RequestOutput]:
-        """Give each request whose compile finished its matcher and let the scheduler admit
-        it; a spec that failed to compile ends its request (the AsyncEngine's submit has
-        already answered 400 from the same future)."""
-        outputs = []
-        for request_id, req in list(self._compiling.items()):
-            assert req.grammar is not None
-            if not req.grammar.done():
-                continue
-            del self._compiling[request_id]
-            error = req.grammar.exception()
-            if error is not None:
-                so = req.seq.params.structured_outputs
-                assert so is not None
-                outputs.append(self._end(req, error=str(param_error(so, error)),
-                                         error_code=ErrorCode.INVALID_PARAM))
-                continue
-            req.matcher = self.structured.matcher(req.grammar.result())
-            req.grammar = None
+        """Requests whose compile finished may be admitted; a spec that failed ends its request
+        (the AsyncEngine's submit has already answered 400 from the same future)."""
+        done = self.grammars.poll()
+        for request_id in done.ready:
             self.scheduler.grammar_ready(request_id)
-        return outputs
-
-    def _grammar_masks(self, batch: SchedulerOutput) -> GrammarMasks | None:
-        """The allowed tokens of the constrained sequences that sample this step."""
-        ids, matchers = [], []
-        for i, seq in enumerate(batch.seqs):
-            req = self.requests.get(seq.seq_id)
-            if req is not None and req.matcher is not None and batch.samples(i):
-                ids.append(seq.seq_id)
-                matchers.append(req.matcher)
-        return self.structured.fill(ids, matchers) if matchers else None
-
-    def _advance_matchers(self, updated: list[Sequence]) -> None:
-        """Feed each constrained sequence's new token to its matcher. A recompute after
-        preemption keeps every sampled token and samples nothing until it has caught up, so
-        the matcher (which saw exactly the output tokens) stays in step without a rollback.
-        A grammar that has ended finishes its sequence with "stop", whatever min_tokens or
-        ignore_eos say (nothing more may follow)."""
-        for seq in updated:
-            req = self.requests.get(seq.seq_id)
-            if req is None or req.matcher is None or seq.num_output_tokens == 0:
-                continue
-            token = seq.last_token_id
-            if not req.matcher.accept_token(token):  # the mask allowed it: a bug, fail loudly
-                raise RuntimeError(f"grammar rejected token {token} it allowed ({seq!r})")
-            if req.matcher.is_terminated() and not seq.is_finished:
-                self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, token)
+        return [self._end(self.requests[rid], error=why, error_code=ErrorCode.INVALID_PARAM)
+                for rid, why in done.failed]
 
     def _fail_step(self, batch: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """End every request of the failed step that has not ended yet with STEP_FAILED, which
@@ -382,7 +332,7 @@ class LLMEngine:
             self.scheduler.abort(seq.seq_id)
         assert seq.is_finished, f"the scheduler did not finish {seq!r}"
         del self.requests[seq.seq_id]
-        self._compiling.pop(seq.seq_id, None)
+        self.grammars.forget(seq.seq_id)
         base = self._delta(req, new_ids, text, logprobs)
         queue_time = (None if seq.first_scheduled_time is None
                       else seq.first_scheduled_time - seq.arrival_time)
