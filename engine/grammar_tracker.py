@@ -90,21 +90,24 @@ class GrammarTracker:
                 matchers.append(m)
         return self._structured().fill(ids, matchers) if matchers else None
 
-    def advance(self, updated: list[Sequence]) -> list[Sequence]:
-        """Feed each constrained sequence its new token; returns the unfinished ones whose
-        grammar has now ended (nothing more may follow: the engine finishes them, "stop").
+    def advance(self, updated: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """Feed each constrained sequence its new token. Returns (ended, rejected): the
+        unfinished ones whose grammar has now ended (nothing more may follow: the engine
+        finishes them, "stop"), and those whose token the grammar refused (the mask allowed
+        it: a bug, which fails that request only).
 
         A recompute after preemption keeps every sampled token and samples nothing until its
         KV has caught up, so a matcher, which has seen exactly the output tokens, stays in
         step without a rollback or a replay."""
-        ended = []
+        ended, rejected = [], []
         for seq in updated:
             m = self._matchers.get(seq.seq_id)
             if m is None or seq.num_output_tokens == 0:
                 continue
-            token = seq.last_token_id
-            if not m.accept_token(token):  # the mask allowed it: a bug, fail the step loudly
-                raise RuntimeError(f"grammar rejected token {token} it allowed ({seq!r})")
-            if m.is_terminated() and not seq.is_finished:
+            if not m.accept_token(seq.last_token_id):
+                logger.error("grammar rejected token %d that its mask allowed (%r)",
+                             seq.last_token_id, seq)
+                rejected.append(seq)
+            elif m.is_terminated() and not seq.is_finished:
                 ended.append(seq)
-        return ended
+        return ended, rejected

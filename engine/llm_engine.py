@@ -213,9 +213,13 @@ class LLMEngine:
         self._collect_prompt_logprobs(batch, result)
         updated = self.scheduler.postprocess(batch, result.sampled_token_ids)
         self.num_steps += 1
+        ended, rejected = self.grammars.advance(updated)
         # A grammar that has ended finishes its sequence, whatever min_tokens or ignore_eos say.
-        for seq in self.grammars.advance(updated):
+        for seq in ended:
             self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, seq.last_token_id)
+        for seq in rejected:
+            outputs.append(self._end(self.requests[seq.seq_id], error_code=ErrorCode.STEP_FAILED,
+                                     error="the grammar refused a token its mask allowed"))
         for seq in updated:
             out = self._make_output(seq, result)
             if out is not None:

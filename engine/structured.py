@@ -88,6 +88,8 @@ class StructuredOutputs:
             keep = self._keep_json if m.is_json else self._keep
             if keep is not None:
                 self._bitmask[row] &= keep
+                if not self._bitmask[row].any():  # only a forbidden token fits: allow it
+                    m.fill_bitmask(self._bitmask, row)  # (an empty row would sample garbage)
         return GrammarMasks(tuple(seq_ids), self._bitmask[:c].clone())
 
     @staticmethod

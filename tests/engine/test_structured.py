@@ -180,3 +180,37 @@ def test_compiles_are_cached_by_kind_and_spec(engine: LLMEngine) -> None:
     assert engine.structured.num_compiles == before + 1
     assert engine.structured.compile(a).result(timeout=30) is not None
 
+
+
+class _Refusing:
+    """A matcher whose grammar refuses every token (as a backend bug would)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.is_json = inner, inner.is_json
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self.inner.fill_bitmask(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return False
+
+
+def test_a_refused_token_fails_only_its_request(engine: LLMEngine) -> None:
+    engine.add_request("c", PROMPT, constrained("regex", "[a-f]{20}", seed=1))
+    engine.add_request("f", PROMPT, SamplingParams(max_tokens=4, temperature=0.0))
+    engine.wait_for_grammars(timeout=60)
+    engine.step()  # installs the matcher, prefills both, samples a first token each
+    engine.grammars._matchers["c"] = _Refusing(engine.grammars._matchers["c"])  # type: ignore[assignment]
+    results = run_all(engine)
+    assert results["c"].error is not None and "refused" in results["c"].error
+    assert results["f"].finish_reason == "length" and results["f"].error is None
+
+
+def test_a_row_with_only_forbidden_tokens_still_samples(engine: LLMEngine) -> None:
+    # xgrammar writes this pattern's tab raw inside the JSON string, and raw control
+    # characters are masked for JSON rows: the row falls back to the grammar's own mask
+    # rather than sample from nothing.
+    schema = {"type": "string", "pattern": "^\t$"}
+    engine.add_request("t", PROMPT, constrained("json", json.dumps(schema), seed=0))
+    results = run_all(engine)
+    assert results["t"].error is None and results["t"].finish_reason == "stop"
