@@ -146,7 +146,7 @@ FIELDS: tuple[Field, ...] = (
           note="only used by beam search, which is refused (vLLM ignores it without it)"),
     Field("include_reasoning", _t("boolean"), Status.NO_EFFECT, routes=frozenset({CHAT}),
           note="only used by a reasoning parser; none is configured (as vLLM without one)"),
-    # ---- other branches: structured outputs, tools, chat template ----
+    # ---- parsed by their own modules: api/structured.py, api/tools.py, api/chat_template.py
     _owned("response_format", _t("object")),
     _owned("structured_outputs", _t("object")),
     _owned("guided_json", _any_of({"type": "string"}, {"type": "object"})),
@@ -155,7 +155,7 @@ FIELDS: tuple[Field, ...] = (
     _owned("guided_grammar", _t("string")),
     _owned("guided_decoding_backend", _t("string")),
     _owned("guided_whitespace_pattern", _t("string")),
-    _owned("structural_tag", _t("string")),
+    _owned("guided_json_object", _t("boolean")),
     _owned("tools", _t("array"), frozenset({CHAT})),
     _owned("tool_choice", _any_of({"type": "string"}, {"type": "object"}), frozenset({CHAT})),
     _owned("parallel_tool_calls", _t("boolean"), frozenset({CHAT})),
@@ -165,6 +165,7 @@ FIELDS: tuple[Field, ...] = (
     _owned("continue_final_message", _t("boolean"), frozenset({CHAT})),
     # ---- refused unless inert ----
     _refused("suffix", _NONE, "x", "the served models have no fill-in-the-middle"),
+    _refused("structural_tag", _NONE, "{}", "structural tags are not implemented"),
     _refused("use_beam_search", _t("boolean", enum=[False, None]), True,
              "beam search is not implemented", False),
     _refused("spaces_between_special_tokens", _t("boolean", enum=[True, None]), False,

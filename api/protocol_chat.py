@@ -38,7 +38,6 @@ def parse_chat(body: dict[str, Any], trust_template: bool = False) -> ChatReques
         raise bad_request("messages is required", param="messages")
     messages = parse_messages(body["messages"])
     tools = parse_tools(body)
-    _check_unsupported(body)
     # max_completion_tokens is OpenAI's newer name; it wins when both are given.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
@@ -152,11 +151,3 @@ def _content(value: Any, role: str, where: str) -> str:
         texts.append(part["text"])
     return "\n".join(texts)
 
-
-def _check_unsupported(body: dict[str, Any]) -> None:
-    """Fields that would change the answer's meaning are refused rather than ignored
-    (response_format until its branch lands; the rest: api/fields.py)."""
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("response_format other than {\"type\": \"text\"} is not supported",
-                          param="response_format")

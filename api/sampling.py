@@ -13,6 +13,7 @@ from typing import Any
 
 from api.errors import APIError, bad_request
 from api.params import INT64_MAX, check_int, get_bool, get_float, get_int, get_int_list
+from api.structured import parse_structured
 from engine.protocol import (
     MAX_LOGPROBS,  # noqa: F401 - one cap, shared with the engine (re-exported)
     InvalidParamError,
@@ -54,6 +55,7 @@ def parse_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingArgs
         "stop": parse_stop(body.get("stop")),
         "stop_token_ids": parse_stop_token_ids(body),
         "logit_bias": parse_logit_bias(body.get("logit_bias")),
+        "structured_outputs": parse_structured(body),
     }
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise bad_request("user must be a string", param="user")

@@ -134,6 +134,8 @@ def _output_error(out: RequestOutput) -> APIError:
     if out.error_code == ErrorCode.QUEUE_TIMEOUT:
         return APIError(503, f"The server is overloaded: {out.error}", type="server_error",
                         code="queue_timeout")
+    if out.error_code == ErrorCode.INVALID_PARAM:  # submit() normally refuses these first
+        return APIError(400, out.error or "invalid request", type="invalid_request_error")
     return APIError(500, f"The engine failed this request: {out.error}",
                     type="server_error", code="internal_error")
 

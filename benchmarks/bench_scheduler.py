@@ -203,7 +203,7 @@ class FakeRunner:
         self.num_steps = 0
         self.last_ns = 0
 
-    def execute(self, batch: SchedulerOutput) -> Any:
+    def execute(self, batch: SchedulerOutput, masks: Any = None) -> Any:
         from engine.runner_output import RunnerOutput
 
         t0 = time.perf_counter_ns()
@@ -296,7 +296,7 @@ class PrefillSkippingRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def execute(self, batch: SchedulerOutput) -> Any:
+    def execute(self, batch: SchedulerOutput, masks: Any = None) -> Any:
         from engine.runner_output import RunnerOutput
 
         self.num_steps += 1

@@ -37,6 +37,7 @@ from engine.protocol import (
     EngineStats,
     RequestStream,
 )
+from engine.structured import GrammarFuture, param_error
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 
@@ -64,6 +65,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Wake:
+    """A grammar compile finished: a loop idling on its inbox steps again."""
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
@@ -73,7 +79,7 @@ class AsyncEngine:
         self.model_name = config.served_model_name or default_model_name(config.model)
         self._clock = clock  # time.monotonic unless a test drives it
         self._stuck_after_s = stuck_after_s
-        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Wake | None] = queue.Queue()
         # Event-loop thread only: open streams, and submits waiting for their admission.
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, asyncio.Future[None]] = {}
@@ -167,6 +173,7 @@ class AsyncEngine:
         if request_id in self._streams or request_id in self._pending:
             raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None  # set by start(), which _check_alive saw finish
+        grammar = self._start_compile(params)
         stream = RequestStream(request_id, self._close_stream)
         admitted: asyncio.Future[None] = self._loop.create_future()
         self._streams[request_id] = stream
@@ -180,7 +187,34 @@ class AsyncEngine:
         except BaseException:
             self._streams.pop(request_id, None)
             raise
+        if grammar is not None:
+            await self._await_grammar(request_id, params, grammar)
         return stream
+
+    def _start_compile(self, params: SamplingParams) -> GrammarFuture | None:
+        """Start (or find cached) the compile of the request's grammar, off the step loop."""
+        so = params.structured_outputs
+        if so is None:
+            return None
+        grammar = self.engine.structured.compile(so)  # InvalidParamError if unavailable
+        if not grammar.done():
+            grammar.add_done_callback(lambda _: self._inbox.put(_Wake()))
+        return grammar
+
+    async def _await_grammar(self, request_id: str, params: SamplingParams,
+                             grammar: GrammarFuture) -> None:
+        """The sequence waits in the scheduler while its grammar compiles; a spec that does
+        not compile is a 400 naming its field before the caller sends any byte."""
+        so = params.structured_outputs
+        assert so is not None
+        try:
+            await asyncio.wrap_future(grammar)
+        except asyncio.CancelledError:
+            self._close_stream(request_id)
+            raise
+        except Exception as e:  # noqa: BLE001 - GrammarError: the engine ends it too
+            self._close_stream(request_id)
+            raise param_error(so, e) from None
 
     def _close_stream(self, request_id: str) -> None:
         """A stream closed before its end (or a cancelled submit): abort the request."""
@@ -246,7 +280,9 @@ class AsyncEngine:
                 self._on_loop(self._fail_all, EngineDeadError(reason))
 
     def _loop_steps(self) -> None:
-        while self._drain_inbox(block=not self.engine.has_unfinished()):
+        # Block on the inbox while nothing can run (idle, or only compiles pending: a _Wake
+        # comes when one ends); a step with only compiles pending just installs grammars.
+        while self._drain_inbox(block=not self.engine.has_runnable()):
             if not self.engine.has_unfinished():
                 self._update_stats()  # idle, or only aborts arrived: no step
                 continue
@@ -282,7 +318,9 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Wake) -> None:
+        if isinstance(cmd, _Wake):
+            return
         if isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)  # its stream is closed: nobody listens
             return

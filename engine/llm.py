@@ -76,6 +76,8 @@ class LLM:
             raise
         bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished():
+            if not self.engine.has_runnable():
+                self.engine.wait_for_grammars()  # only structured-output compiles pending
             for out in self.engine.step():
                 results[out.request_id].add(out)
                 bar.update(int(out.finished))

@@ -22,10 +22,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
+from engine.grammar_tracker import GrammarTracker
 from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, Logprob, RequestOutput, RequestTimings, TokenLogprobs
 from engine.protocol import ITERATION_TOKEN_BUCKETS, EngineLimits, EngineStats, InvalidParamError
 from engine.runner_output import RunnerOutput, TokenLogprobIds
+from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
@@ -67,6 +69,9 @@ class LLMEngine:
         # Steps per tokens-per-step bucket (ITERATION_TOKEN_BUCKETS, then +Inf)
         self._iteration_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
+        self._structured: StructuredOutputs | None = None
+        self._structured_error = "not loaded"  # why _structured is None
+        self.grammars = GrammarTracker(lambda: self.structured)
 
     def load(self) -> None:
         """Load the model, size the KV pool, resolve the limits and build the scheduler."""
@@ -76,6 +81,7 @@ class LLMEngine:
         self._tokenizer = Tokenizer(r.tokenizer, r.eos_token_ids)
         self._limits = limits = self._resolve_limits()
         self._scheduler = Scheduler(self.config.scheduler, limits)
+        self._load_structured()
         logger.info("KV cache: %d blocks x %d tokens = %d token slots; max_model_len %d",
                     limits.num_kv_blocks, limits.block_size,
                     limits.num_kv_blocks * limits.block_size, limits.max_model_len)
@@ -95,6 +101,24 @@ class LLMEngine:
                             block_size=r.block_size, vocab_size=r.vocab_size,
                             eos_token_ids=frozenset(r.eos_token_ids),
                             max_prompt_bytes=max_bytes)
+
+    def _load_structured(self) -> None:
+        """The grammar backend's token table (on this thread: it reads the tokenizer). A
+        tokenizer it cannot read leaves the server up, refusing structured outputs only."""
+        r = self.runner
+        try:
+            self._structured = StructuredOutputs(r.tokenizer, r.vocab_size, r.eos_token_ids)
+        except Exception as e:  # noqa: BLE001 - whatever the backend raises, serve the rest
+            self._structured_error = f"{type(e).__name__}: {e}"
+            logger.warning("structured outputs are unavailable: %s", self._structured_error)
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The grammar compiler; InvalidParamError (a 400) when the backend is unavailable."""
+        if self._structured is None:
+            raise InvalidParamError("structured_outputs", "structured outputs are unavailable "
+                                    f"for this model: {self._structured_error}")
+        return self._structured
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -129,11 +153,14 @@ class LLMEngine:
         self.check_token_ids("prompt", ids)
         self.check_token_ids("logit_bias", params.logit_bias)
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
+        grammar = self.grammars.start(params)  # in the pool; a cache hit is done already
         seq = Sequence(request_id, ids, params, priority, arrival_time)
         req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params),
                        deadline=deadline)
-        self.scheduler.add(seq)  # last: nothing after it may fail and orphan the sequence
+        self.scheduler.add(seq)  # nothing after these may fail and orphan the sequence
         self.requests[request_id] = req
+        if grammar is not None:
+            self.grammars.track(seq, grammar)
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, request_id))
             if len(self._deadlines) > 2 * len(self.requests) + 64:
@@ -159,12 +186,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_runnable(self) -> bool:
+        """Some request can make progress now: unfinished, and not waiting for a compile."""
+        return len(self.requests) > self.grammars.num_compiling
+
+    def wait_for_grammars(self, timeout: float | None = None) -> None:
+        """Block until some pending compile finishes (a synchronous caller with nothing
+        runnable; the AsyncEngine waits on its inbox instead)."""
+        self.grammars.wait(timeout)
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One step's deltas. Never raises for a failed forward: see _fail_step."""
         # Deadlines first: a request past its own answers timeout even if this step fails.
         outputs = self._expire_deadlines(self.clock()) if self._deadlines else []
+        outputs += self._install_grammars()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
@@ -179,15 +216,31 @@ class LLMEngine:
     def _run(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         """Forward, postprocess and deltas. Each delta is appended as soon as it is built: if a
         later one raises, the requests already ended keep their final delta."""
-        result = self.runner.execute(batch)
+        result = self.runner.execute(batch, self.grammars.masks(batch))
         self._collect_prompt_logprobs(batch, result)
         updated = self.scheduler.postprocess(batch, result.sampled_token_ids)
         self.num_steps += 1
         self._count_iteration(batch.total_num_scheduled_tokens)
+        ended, rejected = self.grammars.advance(updated)
+        # A grammar that has ended finishes its sequence, whatever min_tokens or ignore_eos say.
+        for seq in ended:
+            self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, seq.last_token_id)
+        for seq in rejected:
+            outputs.append(self._end(self.requests[seq.seq_id], error_code=ErrorCode.STEP_FAILED,
+                                     error="the grammar refused a token its mask allowed"))
         for seq in updated:
             out = self._make_output(seq, result)
             if out is not None:
                 outputs.append(out)
+
+    def _install_grammars(self) -> list[RequestOutput]:
+        """Requests whose compile finished may be admitted; a spec that failed ends its request
+        (the AsyncEngine's submit has already answered 400 from the same future)."""
+        done = self.grammars.poll()
+        for request_id in done.ready:
+            self.scheduler.grammar_ready(request_id)
+        return [self._end(self.requests[rid], error=why, error_code=ErrorCode.INVALID_PARAM)
+                for rid, why in done.failed]
 
     def _fail_step(self, batch: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """End every request of the failed step that has not ended yet with STEP_FAILED, which
@@ -294,6 +347,7 @@ class LLMEngine:
             self.scheduler.abort(seq.seq_id)
         assert seq.is_finished, f"the scheduler did not finish {seq!r}"
         del self.requests[seq.seq_id]
+        self.grammars.forget(seq.seq_id)
         base = self._delta(req, new_ids, text, logprobs)
         queue_time = (None if seq.first_scheduled_time is None
                       else seq.first_scheduled_time - seq.arrival_time)

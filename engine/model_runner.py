@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.runner_output import RunnerOutput
 from engine.sampler import compute_prompt_logprobs, sample
-from engine.sampling_batch import SamplingBatch, SamplingBatchBuilder
+from engine.sampling_batch import GrammarMasks, SamplingBatch, SamplingBatchBuilder
 from engine.step_tensors import to_device
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence
@@ -202,11 +202,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+    def execute(self, batch: SchedulerOutput, masks: GrammarMasks | None = None) -> RunnerOutput:
+        """`masks`: the allowed tokens of the constrained sequences that sample this step."""
         output = RunnerOutput()
         if batch.is_empty:
             return output
-        step = self._prepare(batch)
+        step = self._prepare(batch, masks)
         logits = self.model(input_ids=step.input_ids, position_ids=step.position_ids,
                             use_cache=False, attn_metadata=step.metadata,
                             logits_to_keep=step.keep).logits[0]  # [K, vocab]
@@ -214,7 +215,7 @@ class ModelRunner:
         self._prompt_logprobs(step, logits, output)
         return output
 
-    def _prepare(self, batch: SchedulerOutput) -> StepInputs:
+    def _prepare(self, batch: SchedulerOutput, masks: GrammarMasks | None = None) -> StepInputs:
         """Every input of the step, on the device, built here and only here."""
         flat = self._flatten(batch)
         dev, long = self.device, torch.long
@@ -229,7 +230,7 @@ class ModelRunner:
             keep=to_device(flat.keep, long, dev),
             sample_ids=[seq.seq_id for seq in sampled],
             sample_rows=to_device([r for _, r in sample_rows], long, dev) if sampled else None,
-            sampling=self.sampling.build(sampled, dev) if sampled else None,
+            sampling=self.sampling.build(sampled, dev, masks) if sampled else None,
             prompt_rows=flat.prompt_rows,
             prompt_targets=(to_device(flat.prompt_targets, long, dev) if flat.prompt_targets
                             else None),

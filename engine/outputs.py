@@ -13,6 +13,7 @@ class ErrorCode(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"  # the deadline passed before it was ever scheduled (503)
     STEP_FAILED = "step_failed"  # the step it was in raised (500: a bug or a device fault)
     ENGINE_DEAD = "engine_dead"  # the engine loop stopped or crashed (503)
+    INVALID_PARAM = "invalid_param"  # e.g. a grammar that does not compile (400)
 
 
 @dataclass(frozen=True, slots=True)

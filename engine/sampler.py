@@ -125,6 +125,13 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
     return token_logprobs(logprobs, target_ids.to(logits.device), [top_n] * logits.shape[0])
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 words [c, W] -> bool [c, vocab_size]: token t is bit t % 32 of word t // 32."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [c, W, 32]; sign bits masked off by & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
 # ----------------------------------------------------------------------------------------
 # The batched sampler.
 
@@ -142,10 +149,17 @@ def sample(logits: torch.Tensor,
 
 
 def _process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logit_bias -> min_tokens -> penalties, on a copy; raw is kept for logprobs."""
-    if batch.bias is None and batch.banned is None and batch.penalties is None:
+    """grammar mask -> logit_bias -> min_tokens -> penalties, on a copy; raw is kept for
+    logprobs. The mask comes first: nothing after it can bring back a forbidden token."""
+    if (batch.bias is None and batch.banned is None and batch.penalties is None
+            and batch.allowed is None):
         return raw
     logits = raw.clone()
+    if batch.allowed is not None:
+        rows, bitmask = batch.allowed
+        forbidden = ~unpack_bitmask(bitmask, logits.shape[1])  # [c, V]
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(
+            forbidden, float("-inf")))
     if batch.bias is not None:
         rows, cols, vals = batch.bias
         logits.index_put_((rows, cols), vals, accumulate=True)

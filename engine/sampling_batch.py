@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
 import torch
@@ -37,6 +37,15 @@ def _splitmix64(x: int) -> int:
 def seeded_uniform(seed: int, step: int) -> float:
     """A uniform in [0, 1) that is a pure function of (request seed, output position)."""
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ step) >> 11) * 2.0**-53
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GrammarMasks:
+    """One step's allowed tokens (engine/structured.py fills them): bitmask row i, int32
+    words on the CPU, for sequence seq_ids[i]."""
+
+    seq_ids: tuple[str, ...]
+    bitmask: torch.Tensor  # [c, ceil(V / 32)] int32
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -106,6 +115,9 @@ class SamplingBatch:
     logprob_rows: tuple[int, ...]  # rows that report logprobs (where their results go)
     logprob_index: torch.Tensor | None  # [l] the same rows
     logprob_top_n: tuple[int, ...]  # [l] top-N alternatives each
+    # Structured outputs: (rows [c], int32 bitmask [c, ceil(V / 32)]) of the constrained
+    # rows; token t allowed iff bit t % 32 of word t // 32 is set (engine/grammar.py).
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_sampled(self) -> int:
@@ -150,11 +162,17 @@ class SamplingBatchBuilder:
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
         self._rng = random.Random(seed)  # unseeded rows; None seeds from OS entropy
 
-    def build(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
-        plan = self._plan(seqs)
-        return self._to_batch(plan, seqs, device)
+    def build(self, seqs: list[Sequence], device: torch.device,
+              masks: GrammarMasks | None = None) -> SamplingBatch:
+        """`masks`: the step's grammar bitmasks, by sequence id (only constrained ones)."""
+        constrained = {} if masks is None else {sid: i for i, sid in enumerate(masks.seq_ids)}
+        plan = self._plan(seqs, constrained)
+        batch = self._to_batch(plan, seqs, device)
+        if masks is None or not constrained:
+            return batch
+        return replace(batch, allowed=self._allowed(seqs, constrained, masks, device))
 
-    def _plan(self, seqs: list[Sequence]) -> _Plan:
+    def _plan(self, seqs: list[Sequence], constrained: Collection[str] = ()) -> _Plan:
         plan = _Plan()
         for row, seq in enumerate(seqs):
             params = seq.params
@@ -162,7 +180,9 @@ class SamplingBatchBuilder:
                 self._plan_sampled(plan, row, seq)
             plan.bias.extend((row, t, b) for t, b in params.logit_bias.items()
                              if t < self.vocab_size)
-            if seq.num_output_tokens < params.min_tokens:
+            # A grammar decides where EOS may go (banning it could leave no token at all);
+            # the engine finishes the sequence when the grammar ends.
+            if seq.num_output_tokens < params.min_tokens and seq.seq_id not in constrained:
                 plan.banned.extend((row, t) for t in self._stop_ids(seq))
             if params.needs_penalties:
                 plan.penalised.append(row)
@@ -211,6 +231,15 @@ class SamplingBatchBuilder:
             penalties=self._penalties(plan, seqs, device),
             logprob_rows=tuple(plan.logprobs.rows), logprob_index=opt(plan.logprobs.rows, long),
             logprob_top_n=tuple(plan.logprobs.values))
+
+    @staticmethod
+    def _allowed(seqs: list[Sequence], constrained: dict[str, int], masks: GrammarMasks,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [r for r, seq in enumerate(seqs) if seq.seq_id in constrained]
+        order = [constrained[seqs[r].seq_id] for r in rows]
+        bitmask = masks.bitmask[order] if order != list(range(len(order))) else masks.bitmask
+        return (to_device(rows, torch.long, device),
+                bitmask.to(device, non_blocking=device.type == "cuda"))
 
     @staticmethod
     def _bias(plan: _Plan,

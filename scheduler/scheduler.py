@@ -130,6 +130,13 @@ class Scheduler:
         self._finish(seq, status, stop_reason)
         return seq
 
+    def grammar_ready(self, seq_id: str) -> None:
+        """The engine compiled seq_id's grammar: it may be admitted from now on."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise SchedulerError(f"grammar_ready() for unknown request {seq_id!r}")
+        seq.waiting_for_grammar = False
+
     def stop_on_string(self, seq: Sequence, stop: str) -> None:
         """A stop string matched in seq's newest text. It also wins over a length or EOS finish
         the same step gave seq (its text ends at the stop string either way)."""
@@ -227,6 +234,8 @@ class Scheduler:
         for seq in queue:
             if budget == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if seq.waiting_for_grammar:
+                continue  # its grammar compiles off the step loop; the others go ahead
             n = self._admit(seq, budget)
             if n == 0:
                 return  # head of line: later sequences wait behind it

@@ -72,6 +72,9 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that hit
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        # A structured-output request waits (in `waiting`) until the engine has compiled its
+        # grammar: the scheduler does not admit it before Scheduler.grammar_ready().
+        self.waiting_for_grammar = params.structured_outputs is not None
 
     @property
     def num_computed_tokens(self) -> int:

@@ -88,7 +88,7 @@ BAD_CHATS = [
     ({"messages": MSG, "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"messages": MSG, "logprobs": 1}, "logprobs"),
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, "messages"),
 ]
 

@@ -115,12 +115,6 @@ def test_openai_client_round_trip(oai: Any) -> None:
     assert answer.message.content or answer.message.tool_calls
 
 
-NEEDS_GRAMMAR = pytest.mark.xfail(
-    strict=True, reason="needs the structured-outputs engine (branch so): without the grammar "
-    "the model's free text is not a valid call; remove this marker when merged")
-
-
-@NEEDS_GRAMMAR
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_forces_valid_calls(oai: Any, parallel: bool) -> None:
     c = oai.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
@@ -134,7 +128,6 @@ def test_required_forces_valid_calls(oai: Any, parallel: bool) -> None:
             check_call(call, validate=True)
 
 
-@NEEDS_GRAMMAR
 def test_named_forces_valid_arguments_streamed(oai: Any) -> None:
     for seed in range(2):
         args, names = "", []

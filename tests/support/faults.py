@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.model_runner import ModelRunner
 from engine.runner_output import RunnerOutput
+from engine.sampling_batch import GrammarMasks
 from scheduler.output import SchedulerOutput
 
 
@@ -41,7 +42,7 @@ class FaultyRunner:
     def unstall(self) -> None:
         self._go.set()
 
-    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+    def execute(self, batch: SchedulerOutput, masks: GrammarMasks | None = None) -> RunnerOutput:
         self.steps += 1
         self.entered.set()
         time.sleep(self.delay)
@@ -49,4 +50,4 @@ class FaultyRunner:
         if self.fail > 0:
             self.fail -= 1
             raise InjectedFault(f"injected fault in step {self.steps}")
-        return self.runner.execute(batch)
+        return self.runner.execute(batch, masks)

@@ -44,11 +44,11 @@ class SlowRunner(FaultyRunner):
         super().__init__(runner, delay=delay)
         self.mid_prefill = threading.Event()
 
-    def execute(self, batch: Any) -> Any:
+    def execute(self, batch: Any, masks: Any = None) -> Any:
         for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
             if 0 < seq.num_computed_tokens and seq.num_computed_tokens + n < seq.num_prompt_tokens:
                 self.mid_prefill.set()  # a later chunk of a prompt that is not done yet
-        return super().execute(batch)
+        return super().execute(batch, masks)
 
 
 @dataclass
