@@ -1,5 +1,7 @@
 """LLMEngine: the synchronous core. One step = schedule() -> runner.execute() -> postprocess(),
-then per-request deltas (new token ids, text, logprobs, finish reason).
+then per-request deltas (new token ids, text, logprobs, finish reason), built from each
+request's RequestState by engine/request_outputs.py; the step statistics behind stats() are
+counted in engine/step_stats.py.
 
 Every way a request ends (EOS or length, stop string, abort, timeout, a failed step) goes
 through `_end`, which asks the scheduler to finish its sequence (the scheduler alone writes a
@@ -12,21 +14,27 @@ Single-threaded by contract: AsyncEngine calls every method from its one engine 
 
 from __future__ import annotations
 
-import bisect
 import heapq
-import itertools
 import logging
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
 
 from engine.config import EngineConfig
 from engine.grammar_tracker import GrammarTracker
 from engine.model_runner import ModelRunner
-from engine.outputs import ErrorCode, Logprob, RequestOutput, RequestTimings, TokenLogprobs
-from engine.protocol import ITERATION_TOKEN_BUCKETS, EngineLimits, EngineStats, InvalidParamError
-from engine.runner_output import RunnerOutput, TokenLogprobIds
+from engine.outputs import ErrorCode, RequestOutput, TokenLogprobs
+from engine.protocol import EngineLimits, EngineStats, InvalidParamError
+from engine.request_outputs import (
+    RequestState,
+    collect_prompt_logprobs,
+    delta,
+    final_delta,
+    sampled_logprobs,
+    text_ids,
+)
+from engine.runner_output import RunnerOutput
+from engine.step_stats import IterationTokens, engine_stats
 from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.output import SchedulerOutput
@@ -37,20 +45,6 @@ from scheduler.sequence import Sequence, SequenceStatus
 logger = logging.getLogger("pagedserve.engine")
 
 
-@dataclass(slots=True)
-class _Request:
-    """Engine-side state of one request: what has been sent, text, prompt logprobs."""
-
-    seq: Sequence
-    detok: IncrementalDetokenizer
-    num_sent_tokens: int = 0
-    sent_first: bool = False
-    prompt_logprobs: list[TokenLogprobIds] = field(default_factory=list)
-    deadline: float | None = None  # time.monotonic() after which the request times out
-    first_token_time: float | None = None  # time.monotonic() of its first and latest token
-    last_token_time: float | None = None
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: an already-loaded ModelRunner to share (tests, benchmarks); the
@@ -58,7 +52,7 @@ class LLMEngine:
         self.config = config
         self._owns_runner = runner is None
         self.runner = runner if runner is not None else ModelRunner(config)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self.num_steps = 0
         self.clock: Callable[[], float] = time.monotonic  # deadlines are on this clock
         self._deadlines: list[tuple[float, str]] = []  # min-heap; stale entries are skipped
@@ -66,9 +60,7 @@ class LLMEngine:
         self._tokenizer: Tokenizer | None = None
         self._scheduler: Scheduler | None = None
         self._limits: EngineLimits | None = None
-        # Steps per tokens-per-step bucket (ITERATION_TOKEN_BUCKETS, then +Inf)
-        self._iteration_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
-        self._iteration_tokens_sum = 0
+        self._iterations = IterationTokens()
         self._structured: StructuredOutputs | None = None
         self._structured_error = "not loaded"  # why _structured is None
         self.grammars = GrammarTracker(lambda: self.structured)
@@ -155,7 +147,7 @@ class LLMEngine:
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
         grammar = self.grammars.start(params)  # in the pool; a cache hit is done already
         seq = Sequence(request_id, ids, params, priority, arrival_time)
-        req = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params),
+        req = RequestState(seq, IncrementalDetokenizer(self.tokenizer, ids, params),
                        deadline=deadline)
         self.scheduler.add(seq)  # nothing after these may fail and orphan the sequence
         self.requests[request_id] = req
@@ -217,10 +209,10 @@ class LLMEngine:
         """Forward, postprocess and deltas. Each delta is appended as soon as it is built: if a
         later one raises, the requests already ended keep their final delta."""
         result = self.runner.execute(batch, self.grammars.masks(batch))
-        self._collect_prompt_logprobs(batch, result)
+        collect_prompt_logprobs(self.requests, batch, result)
         updated = self.scheduler.postprocess(batch, result.sampled_token_ids)
         self.num_steps += 1
-        self._count_iteration(batch.total_num_scheduled_tokens)
+        self._iterations.count(batch.total_num_scheduled_tokens)
         ended, rejected = self.grammars.advance(updated)
         # A grammar that has ended finishes its sequence, whatever min_tokens or ignore_eos say.
         for seq in ended:
@@ -265,22 +257,13 @@ class LLMEngine:
                 outputs.append(self._time_out(req, now))
         return outputs
 
-    def _time_out(self, req: _Request, now: float) -> RequestOutput:
+    def _time_out(self, req: RequestState, now: float) -> RequestOutput:
         seq = req.seq
         if seq.first_scheduled_time is None:
             waited = now - seq.arrival_time
             return self._end(req, error_code=ErrorCode.QUEUE_TIMEOUT,
                              error=f"request timed out after {waited:.1f} s in the queue")
         return self._end(req, req.detok.flush(), finish_reason="timeout")
-
-    def _collect_prompt_logprobs(self, batch: SchedulerOutput, result: RunnerOutput) -> None:
-        for seq in batch.seqs:
-            req = self.requests.get(seq.seq_id)
-            chunk = result.prompt_logprobs.get(seq.seq_id)
-            # The runner reports each prompt position once, also across a recompute after
-            # preemption, so chunks simply append.
-            if req is not None and chunk is not None and not req.sent_first:
-                req.prompt_logprobs.extend(chunk)
 
     def _make_output(self, seq: Sequence, result: RunnerOutput) -> RequestOutput | None:
         req = self.requests.get(seq.seq_id)
@@ -289,10 +272,11 @@ class LLMEngine:
         new_ids = seq.token_ids[seq.num_prompt_tokens + req.num_sent_tokens:]
         # Stop strings count only from min_tokens on (vLLM), like EOS and stop token ids.
         check_stops = seq.num_output_tokens >= seq.params.min_tokens
-        text, stop_str = req.detok.step(self._text_ids(seq, new_ids), check_stops)
+        text, stop_str = req.detok.step(text_ids(seq, new_ids), check_stops)
         if stop_str is not None:
             self.scheduler.stop_on_string(seq, stop_str)
-        logprobs = self._sampled_logprobs(seq, result, len(new_ids))
+        token_text = self.tokenizer.token_text
+        logprobs = sampled_logprobs(seq, result, len(new_ids), token_text)
         req.num_sent_tokens += len(new_ids)
         if new_ids:  # timestamps for the request's timings (time.monotonic, as the scheduler)
             req.last_token_time = time.monotonic()
@@ -300,41 +284,9 @@ class LLMEngine:
         if seq.is_finished:
             tail = "" if stop_str is not None else req.detok.flush()
             return self._end(req, text + tail, logprobs, tuple(new_ids))
-        return self._delta(req, tuple(new_ids), text, logprobs)
+        return delta(req, tuple(new_ids), text, logprobs, token_text)
 
-    def _text_ids(self, seq: Sequence, new_ids: list[int]) -> list[int]:
-        """Ids fed to the detokenizer: a stop *token* is not part of the text (as vLLM)."""
-        stopped_by_id = (seq.status == SequenceStatus.FINISHED_STOPPED
-                         and isinstance(seq.stop_reason, int))
-        if stopped_by_id and new_ids and not seq.params.include_stop_str_in_output:
-            return new_ids[:-1]
-        return new_ids
-
-    def _sampled_logprobs(self, seq: Sequence, result: RunnerOutput,
-                          num_new: int) -> tuple[TokenLogprobs, ...] | None:
-        if seq.params.logprobs is None or num_new == 0:
-            return None
-        lp = result.logprobs.get(seq.seq_id)
-        return (self._to_logprobs(lp),) if lp is not None else None
-
-    def _to_logprobs(self, lp: TokenLogprobIds) -> TokenLogprobs:
-        text = self.tokenizer.token_text
-        top = tuple(Logprob(t, text(t), v) for t, v in zip(lp.top_ids, lp.top_logprobs))
-        return TokenLogprobs(Logprob(lp.token_id, text(lp.token_id), lp.logprob), lp.rank, top)
-
-    def _delta(self, req: _Request, new_ids: tuple[int, ...], text: str,
-               logprobs: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
-        seq = req.seq
-        first = not req.sent_first
-        req.sent_first = True
-        return RequestOutput(
-            request_id=seq.seq_id, new_token_ids=new_ids, new_text=text, logprobs=logprobs,
-            prompt_logprobs=self._prompt_logprobs(req) if first else None,
-            prompt_token_ids=tuple(seq.prompt_token_ids) if first else None,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=seq.num_cached_tokens)
-
-    def _end(self, req: _Request, text: str = "",
+    def _end(self, req: RequestState, text: str = "",
              logprobs: tuple[TokenLogprobs, ...] | None = None, new_ids: tuple[int, ...] = (),
              *, finish_reason: str | None = None, error: str | None = None,
              error_code: ErrorCode | None = None) -> RequestOutput:
@@ -348,56 +300,13 @@ class LLMEngine:
         assert seq.is_finished, f"the scheduler did not finish {seq!r}"
         del self.requests[seq.seq_id]
         self.grammars.forget(seq.seq_id)
-        base = self._delta(req, new_ids, text, logprobs)
-        queue_time = (None if seq.first_scheduled_time is None
-                      else seq.first_scheduled_time - seq.arrival_time)
-        return replace(base, finish_reason=finish_reason or seq.status.finish_reason,
-                       stop_reason=self._stop_reason(seq), queue_time=queue_time, error=error,
-                       error_code=error_code, timings=_timings(req))
-
-    def _stop_reason(self, seq: Sequence) -> int | str | None:
-        """As vLLM: None for EOS, the token id for a stop_token_ids hit, or the stop string."""
-        r = seq.stop_reason
-        if isinstance(r, int) and r not in seq.params.stop_token_ids:
-            return None
-        return r
-
-    def _prompt_logprobs(self, req: _Request) -> tuple[TokenLogprobs | None, ...] | None:
-        if req.seq.params.prompt_logprobs is None:
-            return None
-        rest = tuple(self._to_logprobs(lp) for lp in req.prompt_logprobs)
-        return (None, *rest)
+        return final_delta(req, new_ids, text, logprobs, self.tokenizer.token_text,
+                           finish_reason=finish_reason, error=error, error_code=error_code)
 
     # ---- stats ----------------------------------------------------------------------------
 
-    def _count_iteration(self, num_tokens: int) -> None:
-        i = bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)  # first bound >= it
-        self._iteration_counts[i] += 1
-        self._iteration_tokens_sum += num_tokens
-
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        bm = s.block_manager
-        return EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting,
-            num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
-            num_preemptions=s.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits, num_steps=self.num_steps,
-            iteration_tokens=tuple(itertools.accumulate(self._iteration_counts)),
-            iteration_tokens_sum=self._iteration_tokens_sum,
+        return engine_stats(
+            self.scheduler, self._iterations, self.num_steps,
             cache_dtype=str(getattr(self.runner, "dtype", "")).removeprefix("torch."),
             enable_prefix_caching=self.config.scheduler.enable_prefix_caching)
-
-
-def _timings(req: _Request) -> RequestTimings:
-    """The request's intervals from the timestamps taken as things happened (see
-    RequestTimings); the scheduler stamps first_scheduled_time, _make_output the tokens."""
-    seq = req.seq
-    scheduled, first, last = seq.first_scheduled_time, req.first_token_time, req.last_token_time
-    if scheduled is None:
-        return RequestTimings()
-    queue = scheduled - seq.arrival_time
-    if first is None or last is None:
-        return RequestTimings(queue=queue)
-    return RequestTimings(queue=queue, prefill=first - scheduled, decode=last - first,
-                          inference=last - scheduled)
