@@ -57,7 +57,8 @@ class ConnectionLimits:
 
 def uvicorn_config(app: Any, host: str, port: int, log_level: str,
                    limits: ConnectionLimits) -> uvicorn.Config:
-    """The one place the HTTP server's settings are made (the CLI and the live tests)."""
+    """The one place the CLI's HTTP server settings are made (the live tests in
+    tests/support/livetools.py run uvicorn's defaults, without these limits)."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           timeout_graceful_shutdown=10, http=guarded_protocol(limits),
                           limit_concurrency=limits.limit_concurrency,

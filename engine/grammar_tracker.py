@@ -82,6 +82,8 @@ class GrammarTracker:
 
     def masks(self, batch: SchedulerOutput) -> GrammarMasks | None:
         """The allowed tokens of the constrained sequences that sample this step."""
+        if not self._matchers:  # the common step: nothing constrained, no per-row lookups
+            return None
         ids, matchers = [], []
         for i, seq in enumerate(batch.seqs):
             m = self._matchers.get(seq.seq_id)
@@ -99,7 +101,10 @@ class GrammarTracker:
         A recompute after preemption keeps every sampled token and samples nothing until its
         KV has caught up, so a matcher, which has seen exactly the output tokens, stays in
         step without a rollback or a replay."""
-        ended, rejected = [], []
+        ended: list[Sequence] = []
+        rejected: list[Sequence] = []
+        if not self._matchers:
+            return ended, rejected
         for seq in updated:
             m = self._matchers.get(seq.seq_id)
             if m is None or seq.num_output_tokens == 0:
