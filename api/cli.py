@@ -133,7 +133,12 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="a request's tokens do not depend on what else is in its batch: the "
                    "same seeded request samples the same tokens alone or under load, in any "
-                   f"dtype; costs step time, see docs/operations.md ({PRESET}, else off)")
+                   f"dtype; costs step time, see docs/operations.md ({PRESET}, else off); "
+                   "runs the model eagerly, as --enforce-eager")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the model forward eagerly instead of torch.compile'd (as vLLM's "
+                   "flag): no compile at start-up, slower steps; see docs/performance.md "
+                   f"({PRESET}, else off)")
 
 
 def _add_connection_flags(p: argparse.ArgumentParser) -> None:
@@ -188,6 +193,7 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
                  for flag, (field, _, _) in ENGINE_FLAGS.items()}
     overrides["enable_prefix_caching"] = args.enable_prefix_caching
     overrides["batch_invariant"] = args.batch_invariant
+    overrides["enforce_eager"] = args.enforce_eager
     return {k: v for k, v in overrides.items() if v is not None}
 
 

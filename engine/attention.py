@@ -206,14 +206,24 @@ def paged_attention(
     attn_metadata: AttentionMetadata | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    meta = attn_metadata
-    assert meta is not None, "paged attention needs attn_metadata= in the model forward"
-    q, k, v = query[0], key[0], value[0]
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    """HF's attention hook. Eager steps pass attn_metadata= to the forward and attend here;
+    the compiled forward passes none and goes through the opaque custom op, which reads the
+    metadata from the runner's forward context (engine/compile_op.py)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer = int(module.layer_idx)  # type: ignore[arg-type]
+    if attn_metadata is None:
+        return torch.ops.pagedserve.paged_attention(query, key, value, layer, scale), None
+    out = attend(query[0], key[0], value[0], layer, scale, attn_metadata)
+    return out[None], None  # [1, T, H, hd], as HF's sdpa_attention_forward returns
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+           meta: AttentionMetadata) -> torch.Tensor:
+    """q [H, T, hd], k/v [kvH, T, hd] of the step's T tokens -> [T, H, hd]; writes the new
+    K/V into the layer's pool first."""
     k_pool: torch.Tensor | None = None
     v_pool: torch.Tensor | None = None
     if meta.kv_cache is not None:
-        layer = int(module.layer_idx)  # type: ignore[arg-type]
         k_pool, v_pool = meta.kv_cache[layer]  # each [blocks, kvH, block_size, hd]
         write_kv(k_pool, v_pool, k, v, meta)
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, hd]
@@ -228,7 +238,7 @@ def paged_attention(
         else:
             part = prefill_attention(q, k, v, k_pool, v_pool, chunk, scale)
         out[chunk.start:chunk.start + chunk.num_tokens] = part
-    return out[None], None  # [1, T, H, hd], as HF's sdpa_attention_forward returns
+    return out
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -26,6 +26,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None = all cores
     # A request's tokens do not depend on what else is in its step (engine/batch_invariant.py)
     batch_invariant: bool = False
+    # Compiled step (engine/compile.py): torch.compile over the decoder unless enforce_eager
+    # (vLLM's name); compile_dynamic marks the token count dynamic instead of bucketing it.
+    enforce_eager: bool = False
+    compile_dynamic: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

@@ -20,8 +20,9 @@ import torch
 
 from engine import attention, batch_invariant
 from engine.attention import AttentionMetadata, build_metadata
+from engine.compile import CompiledForward, use_cache_dir, wants_compile
 from engine.config import EngineConfig
-from engine.loader import load_model
+from engine.loader import cache_root, load_model
 from engine.runner_output import RunnerOutput
 from engine.sampler import compute_prompt_logprobs, sample
 from engine.sampling_batch import GrammarMasks, SamplingBatch, SamplingBatchBuilder
@@ -48,7 +49,7 @@ class PromptRows:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class StepInputs:
-    input_ids: torch.Tensor  # [1, T]
+    input_ids: torch.Tensor  # [1, T] (padded to a bucket when compiled)
     position_ids: torch.Tensor  # [1, T]
     metadata: AttentionMetadata
     keep: torch.Tensor  # [K] packed positions whose logits are computed
@@ -90,6 +91,7 @@ class ModelRunner:
         self.model.set_attn_implementation(attention.ATTN_NAME)
         if self.config.batch_invariant:
             batch_invariant.enable(self.model)
+        self.compiled: CompiledForward | None = None
         self.tokenizer = loaded.tokenizer
         self.facts = facts = loaded.facts
         self.device: torch.device = self.model.device
@@ -179,6 +181,12 @@ class ModelRunner:
         n = min(self.config.scheduler.max_num_batched_tokens, self.block_size * self.num_kv_blocks,
                 self.max_model_len, 64 if self.device.type == "cpu" else 1 << 30)
         self._dummy_forward(0, 0, n, kv_cache=None)
+        if wants_compile(self.config):
+            use_cache_dir(cache_root())
+            self.compiled = CompiledForward(self.model,
+                                            self.config.scheduler.max_num_batched_tokens,
+                                            dynamic=self.config.compile_dynamic)
+            self.compiled.warm_up(lambda size: self._dummy_forward(0, 0, size, kv_cache=None))
 
     @torch.inference_mode()
     def _dummy_forward(self, num_decodes: int, context: int, num_prefill: int,
@@ -194,10 +202,24 @@ class ModelRunner:
                               dev)
         n = num_decodes + num_prefill
         positions = [context - 1] * num_decodes + list(range(num_prefill))
-        ids = torch.zeros(1, n, dtype=torch.long, device=dev)
         keep = torch.arange(min(n, self.config.scheduler.max_num_seqs), device=dev)
-        self.model(input_ids=ids, position_ids=to_device([positions], torch.long, dev),
-                   use_cache=False, attn_metadata=meta, logits_to_keep=keep)
+        self._forward(self._padded([0] * n), self._padded(positions), meta, keep)
+
+    def _padded(self, values: list[int]) -> torch.Tensor:
+        """[1, T] on the device; padded with zeros to the compiled bucket of T (see
+        engine/compile.py: the attention op ignores the padding rows)."""
+        if self.compiled is not None:
+            values = values + [0] * (self.compiled.padded_size(len(values)) - len(values))
+        return to_device([values], torch.long, self.device)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 meta: AttentionMetadata, keep: torch.Tensor) -> torch.Tensor:
+        """Logits [K, vocab] of the kept packed positions."""
+        if self.compiled is not None:
+            hidden = self.compiled.hidden(input_ids, position_ids, meta)
+            return self.compiled.logits(hidden, keep)
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                          attn_metadata=meta, logits_to_keep=keep).logits[0]
 
     # ------------------------------------------------------------------ one step
 
@@ -208,9 +230,7 @@ class ModelRunner:
         if batch.is_empty:
             return output
         step = self._prepare(batch, masks)
-        logits = self.model(input_ids=step.input_ids, position_ids=step.position_ids,
-                            use_cache=False, attn_metadata=step.metadata,
-                            logits_to_keep=step.keep).logits[0]  # [K, vocab]
+        logits = self._forward(step.input_ids, step.position_ids, step.metadata, step.keep)
         self._sample(step, logits, output)
         self._prompt_logprobs(step, logits, output)
         return output
@@ -222,8 +242,8 @@ class ModelRunner:
         sample_rows = sorted(flat.sample_rows)  # batch order, as the sampler sees the rows
         sampled = [batch.seqs[i] for i, _ in sample_rows]
         return StepInputs(
-            input_ids=to_device([flat.ids], long, dev),
-            position_ids=to_device([flat.positions], long, dev),
+            input_ids=self._padded(flat.ids),
+            position_ids=self._padded(flat.positions),
             metadata=build_metadata(self.kv_cache, self.block_size, flat.slots, flat.decodes,
                                     flat.prefills, dev,
                                     batch_invariant=self.config.batch_invariant),

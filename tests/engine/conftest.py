@@ -52,7 +52,7 @@ def smollm2_runner() -> ModelRunner:
     """The real embedded SmolLM2 in float32 (converted on first use: ~25 s, then ~0.5 s)."""
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512,
                             block_size=16)
-    return loaded_runner(EngineConfig(model=None, dtype="float32", device="cpu",
+    return loaded_runner(EngineConfig(model=None, dtype="float32", device="cpu", enforce_eager=True,
                                       num_kv_blocks=256, scheduler=sched))
 
 

@@ -32,7 +32,7 @@ def make(runner: ModelRunner, *, loop: bool = True, **kwargs: Any) -> AsyncEngin
     on a thread of its own (loop=False: not yet, see start_step_loop)."""
     knobs = {k: kwargs.pop(k) for k in ("clock", "stuck_after_s") if k in kwargs}
     sc = SchedulerConfig(block_size=runner.block_size, max_model_len=128, **kwargs)
-    cfg = EngineConfig(model=None, dtype="float32", device="cpu", scheduler=sc)
+    cfg = EngineConfig(model=None, dtype="float32", device="cpu", enforce_eager=True, scheduler=sc)
     eng = AsyncEngine(cfg, LLMEngine(cfg, runner=runner), **knobs)
     if loop:
         start_step_loop(eng)

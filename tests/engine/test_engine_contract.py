@@ -37,7 +37,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
 
 def real_engine(runner: ModelRunner) -> AsyncEngine:
     sc = SchedulerConfig(block_size=runner.block_size, max_model_len=MAX_MODEL_LEN)
-    cfg = EngineConfig(model=None, dtype="float32", device="cpu", scheduler=sc)
+    cfg = EngineConfig(model=None, dtype="float32", device="cpu", enforce_eager=True, scheduler=sc)
     return AsyncEngine(cfg, LLMEngine(cfg, runner=runner))
 
 

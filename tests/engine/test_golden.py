@@ -44,7 +44,7 @@ SECOND_ROUND = ["What is the tallest mountain?", "Why is the sky blue?", "Who wr
 
 
 def make_engine(runner: ModelRunner, num_kv_blocks: int | None = None, **sched: object) -> LLMEngine:
-    cfg = EngineConfig(model=None, dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks,
+    cfg = EngineConfig(model=None, dtype="float32", device="cpu", enforce_eager=True, num_kv_blocks=num_kv_blocks,
                        scheduler=SchedulerConfig(block_size=runner.block_size, **sched))  # type: ignore[arg-type]
     engine = LLMEngine(cfg, runner=runner)
     engine.load()

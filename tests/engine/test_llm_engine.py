@@ -24,7 +24,7 @@ from tests.support.faults import FaultyRunner
 
 def make(runner: ModelRunner, num_kv_blocks: int | None = None, **sched: object) -> LLMEngine:
     sc = SchedulerConfig(block_size=runner.block_size, **sched)  # type: ignore[arg-type]
-    cfg = EngineConfig(model=None, dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks,
+    cfg = EngineConfig(model=None, dtype="float32", device="cpu", enforce_eager=True, num_kv_blocks=num_kv_blocks,
                        scheduler=sc)
     engine = LLMEngine(cfg, runner=runner)
     engine.load()

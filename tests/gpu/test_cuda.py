@@ -1,7 +1,8 @@
 """CUDA checks (skipped without a GPU; CI has none): the same engine on the GPU, greedy tokens
 against HF generate() on the same device, in float32 (top-2 tolerance: GPU kernels pick
 different but equally valid reduction orders for a packed batch), a bfloat16 smoke run, and
-the KV pool sizing against the worst decode step."""
+the KV pool sizing against the worst decode step (eager, as the sizing runs). The engine
+runs compiled here, the default; tests/gpu/test_compiled_cuda.py compares it with eager."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def test_sized_pool_leaves_room_for_the_worst_decode_step() -> None:
     util = 0.5
     sched = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=512, max_model_len=8192)
     runner = ModelRunner(EngineConfig(model=None, dtype="bfloat16", device="cuda",
-                                      gpu_memory_utilization=util, scheduler=sched))
+                                      gpu_memory_utilization=util, enforce_eager=True,
+                                      scheduler=sched))
     runner.load()
     dev, f = runner.device, runner.facts
     assert runner.max_model_len == 8192

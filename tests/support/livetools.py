@@ -122,7 +122,7 @@ def live_server(runner: ModelRunner, *, api_key: str | None = None, delay: float
     opts: dict[str, Any] = {"block_size": runner.block_size, "max_model_len": 128,
                             "max_num_seqs": 4, "max_num_batched_tokens": 32}
     opts.update(scheduler)
-    cfg = EngineConfig(model=None, dtype="float32", device="cpu",
+    cfg = EngineConfig(model=None, dtype="float32", device="cpu", enforce_eager=True,
                        scheduler=SchedulerConfig(**opts), served_model_name="tiny")
     faulty = FaultyRunner(runner, delay=delay)
     engine = AsyncEngine(cfg, LLMEngine(cfg, runner=faulty),  # type: ignore[arg-type]

@@ -82,7 +82,8 @@ def build_checkpoint(folder: Path, arch: str) -> Path:
 def tiny_config(model: Path | str | None, **engine: object) -> EngineConfig:
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                             block_size=4)
-    opts: dict[str, object] = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 128}
+    opts: dict[str, object] = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 128,
+                             "enforce_eager": True}  # compiled tests ask for compile
     opts.update(engine)
     return EngineConfig(model=None if model is None else str(model), scheduler=sched,
                         **opts)  # type: ignore[arg-type]

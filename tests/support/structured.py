@@ -26,7 +26,7 @@ def make_engine(runner: ModelRunner, num_kv_blocks: int | None = None,
     opts: dict[str, Any] = {"block_size": runner.block_size, "max_num_seqs": 32,
                             "max_num_batched_tokens": 256, "max_model_len": 256}
     opts.update(sched)
-    cfg = EngineConfig(model=None, dtype="float32", device="cpu", num_kv_blocks=num_kv_blocks,
+    cfg = EngineConfig(model=None, dtype="float32", device="cpu", enforce_eager=True, num_kv_blocks=num_kv_blocks,
                        scheduler=SchedulerConfig(**opts))
     engine = LLMEngine(cfg, runner=runner)
     engine.load()

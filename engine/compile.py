@@ -1,0 +1,170 @@
+"""The compiled step: torch.compile (inductor) over the model's decoder, token counts bucketed.
+
+What is compiled is the decoder body (embeddings, every layer, the final norm) of the HF
+model, called as `decoder(input_ids=[1, T], position_ids=[1, T])`; attention inside it is the
+opaque custom op of engine/compile_op.py, so the graph runs unbroken from the embedding to
+the norm. The LM head stays outside: it is applied only to the rows whose logits the step
+needs (a handful of rows against T), one matmul that compiling would not speed up, and
+whose row count would otherwise be one more shape to compile for.
+
+Nothing here assumes a module type: the decoder is whatever `get_decoder()` returns, so
+quantized linear modules (or any other swap done at load) compile the same way.
+
+Shapes. A packed step of T tokens runs as the smallest bucket >= T (padding tokens: id 0,
+position 0; the op neither attends nor writes them, and every other layer is row-wise, so
+they cannot touch the real rows). Each bucket is one graph, compiled at start-up by
+`warm_up`; a step larger than the biggest bucket (none, since the largest bucket is the
+step's token budget) would compile on first use. `dynamic=True` instead marks T dynamic:
+one graph for every T >= 2 (T == 1 is specialised by dynamo), no padding.
+
+Artifacts. Inductor's FX graph cache and AOT autograd cache are on and pointed under the
+engine's cache root (`<cache_root>/torch_compile`), so a second start with the same model,
+dtype and torch reloads the compiled code instead of generating it.
+
+CUDA. The same code path runs there (tests/gpu/test_compiled_cuda.py). CUDA graphs are not
+used yet: a graph replays the kernels it captured with the addresses they read, and this op
+reads a new AttentionMetadata every step. Decode-only steps of a bucketed size are where
+they go, once the decode metadata (slots, padded block tables, context lengths) lives in
+persistent per-bucket buffers that the runner fills in place (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine import compile_op  # noqa: F401  (registers torch.ops.pagedserve.paged_attention)
+from engine.attention import AttentionMetadata
+from engine.compile_op import forward_context
+from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+# A cache directory the user chose wins; torch sets the variable itself once it has picked its
+# default (/tmp/torchinductor_<user>), so it is read here, at import, before any compile.
+_USER_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+# Token-count buckets below the step's budget: powers of two up to 64 (decode batches and
+# small mixed steps, where padding costs little), then multiples of 64 would be too many
+# graphs at a 1024-token budget, so powers of two again, capped at the budget.
+SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Bucket sizes covering 1..max_tokens: SMALL_BUCKETS, then doubling, then the budget."""
+    buckets = [b for b in SMALL_BUCKETS if b < max_tokens]
+    size = 128
+    while size < max_tokens:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_tokens)
+    return buckets
+
+
+def bucket_for(buckets: list[int], num_tokens: int) -> int:
+    for b in buckets:
+        if b >= num_tokens:
+            return b
+    return num_tokens  # beyond every bucket: its own shape (compiled on first use)
+
+
+def use_cache_dir(root: Path) -> Path:
+    """Point inductor's on-disk caches under root (before the first compile of the process:
+    inductor reads the variable when it first needs its cache directory)."""
+    path = Path(_USER_CACHE_DIR) if _USER_CACHE_DIR else root / "torch_compile"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    inductor_config.autotune_local_cache = True
+    try:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.enable_autograd_cache = True
+    except (ImportError, AttributeError):  # older torch: the FX graph cache alone
+        pass
+    return path
+
+
+def wants_compile(config: EngineConfig) -> bool:
+    if config.enforce_eager:
+        return False
+    if config.batch_invariant:  # its tiled attention and fixed-split matmuls are eager code
+        log.info("--batch-invariant runs the model eagerly (as --enforce-eager)")
+        return False
+    return True
+
+
+class CompiledForward:
+    """`forward(ids, positions, meta, keep) -> logits [K, vocab]` through the compiled decoder."""
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int, dynamic: bool = False) -> None:
+        self.model = model
+        self.decoder: torch.nn.Module = model.get_decoder()  # type: ignore[operator]
+        self.head: torch.nn.Module = model.get_output_embeddings()  # type: ignore[operator]
+        self.dynamic = dynamic
+        self.buckets = [max_tokens] if dynamic else token_buckets(max_tokens)
+        # Dynamo keeps at most cache_size_limit graphs per code object; each bucket is one.
+        limit = len(self.buckets) + 4
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 8 * limit)
+        self._compiled: Callable[..., torch.Tensor] = torch.compile(
+            self._body, dynamic=False if not dynamic else None)
+
+    def _body(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder(input_ids=input_ids, position_ids=position_ids,
+                            use_cache=False).last_hidden_state
+
+    def padded_size(self, num_tokens: int) -> int:
+        return num_tokens if self.dynamic else bucket_for(self.buckets, num_tokens)
+
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids/position_ids [1, padded T] -> hidden states [1, padded T, hidden]."""
+        if self.dynamic and input_ids.shape[1] > 1:
+            torch._dynamo.mark_dynamic(input_ids, 1)
+            torch._dynamo.mark_dynamic(position_ids, 1)
+        with forward_context(meta):
+            return self._compiled(input_ids, position_ids)
+
+    def warm_up_sizes(self) -> list[int]:
+        # dynamic: T == 1 is its own graph (dynamo specialises sizes 0 and 1), 2 covers the rest
+        return [1, 2] if self.dynamic else list(self.buckets)
+
+    def warm_up(self, run: Callable[[int], None]) -> float:
+        """Compile every shape now (run(size): one dummy forward of size tokens), not on a
+        request's step; with a warm on-disk cache each compile is a load. -> seconds."""
+        from torch._dynamo.utils import counters
+        from tqdm import tqdm
+
+        sizes = self.warm_up_sizes()
+        start, cpu = time.perf_counter(), _cpu_seconds()
+        for size in tqdm(sizes, desc="compiling the model forward", unit="shape", disable=None):
+            run(size)
+        elapsed = time.perf_counter() - start
+        # CPU seconds (ours and the C++ compiler's) too: on a shared machine wall time is noise
+        log.info("compiled the forward for %d token-count shape(s) in %.1f s (%.1f CPU s; "
+                 "inductor cache %s: %d hit(s), %d miss(es))", len(sizes), elapsed,
+                 _cpu_seconds() - cpu, os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                 counters["inductor"]["fxgraph_cache_hit"],
+                 counters["inductor"]["fxgraph_cache_miss"])
+        return elapsed
+
+    def logits(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The LM head on the kept rows only: [K, vocab]."""
+        return self.head(hidden[0].index_select(0, keep))
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished children (the C++ compiler)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
