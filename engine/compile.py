@@ -111,11 +111,13 @@ class CompiledForward:
         self.head: torch.nn.Module = model.get_output_embeddings()  # type: ignore[operator]
         self.dynamic = dynamic
         self.buckets = [max_tokens] if dynamic else token_buckets(max_tokens)
-        # Dynamo keeps at most cache_size_limit graphs per code object; each bucket is one.
-        limit = len(self.buckets) + 4
+        # Dynamo keeps at most cache_size_limit graphs per code object, and every runner's
+        # graphs share _body's (each bucket is one; a second runner in the process, as in the
+        # tests, adds its own). Past the limit it would silently run eagerly.
+        limit = max(64, 2 * len(self.buckets))
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
         torch._dynamo.config.accumulated_cache_size_limit = max(
-            torch._dynamo.config.accumulated_cache_size_limit, 8 * limit)
+            torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
             self._body, dynamic=False if not dynamic else None)
 

@@ -27,9 +27,11 @@ class EngineConfig:
     # A request's tokens do not depend on what else is in its step (engine/batch_invariant.py)
     batch_invariant: bool = False
     # Compiled step (engine/compile.py): torch.compile over the decoder unless enforce_eager
-    # (vLLM's name); compile_dynamic marks the token count dynamic instead of bucketing it.
+    # (vLLM's name). compile_dynamic: the token count is a dynamic dimension (2 graphs: T == 1
+    # and T >= 2) rather than bucketed (one graph per bucket, 13 at a 1024-token budget: each
+    # compile costs a minute or more of CPU on a 2-core box, see docs/performance.md).
     enforce_eager: bool = False
-    compile_dynamic: bool = False
+    compile_dynamic: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """The compiled step (engine/compile.py) against the eager one on the tiny models.
 
-Each tiny model is compiled once per session (module-scoped runners below, a handful of
-shapes each: max_num_batched_tokens 8 gives buckets 1, 2, 4, 8). Both runners get the same
+Each tiny model is compiled once (module-scoped runners below): the Llama with bucketed
+token counts (max_num_batched_tokens 8: buckets 1, 2, 4, 8), the Qwen2 with the token count
+dynamic (the default: graphs for T == 1 and T >= 2). Both runners get the same
 sequences, block tables and steps, so their pools hold the same K/V; every step's logits
 must agree within TOL (fp32: inductor fuses and reorders reductions, so bitwise equality is
 not promised; observed differences are ~1e-6). The steps cover prefill, chunked prefill
@@ -45,12 +46,13 @@ def compiled_config(folder: Path, **engine: object) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def compiled_llama(tiny_llama: Path) -> ModelRunner:
-    return loaded_runner(compiled_config(tiny_llama))
+    """Llama with bucketed token counts (4 graphs)."""
+    return loaded_runner(compiled_config(tiny_llama, compile_dynamic=False))
 
 
 @pytest.fixture(scope="module")
 def compiled_qwen2(tiny_qwen2: Path) -> ModelRunner:
-    """Qwen2 (q/k/v biases, tied embeddings) with the token count marked dynamic instead."""
+    """Qwen2 (q/k/v biases, tied embeddings) with the token count dynamic (the default)."""
     return loaded_runner(compiled_config(tiny_qwen2, compile_dynamic=True))
 
 
