@@ -103,10 +103,9 @@ def wants_compile(config: EngineConfig) -> bool:
 
 
 class CompiledForward:
-    """`forward(ids, positions, meta, keep) -> logits [K, vocab]` through the compiled decoder."""
+    """A model's decoder compiled: `hidden(ids, positions, meta)` then `logits(hidden, keep)`."""
 
     def __init__(self, model: torch.nn.Module, max_tokens: int, dynamic: bool = False) -> None:
-        self.model = model
         self.decoder: torch.nn.Module = model.get_decoder()  # type: ignore[operator]
         self.head: torch.nn.Module = model.get_output_embeddings()  # type: ignore[operator]
         self.dynamic = dynamic

@@ -15,7 +15,7 @@ ALL_FLAGS = [*ENGINE_FLAGS, "--config", "--host", "--port", "--api-key", "--log-
              "--enable-prefix-caching", "--no-enable-prefix-caching", "--max-body-bytes",
              "--request-timeout", "--shutdown-timeout", "--limit-concurrency",
              "--timeout-keep-alive", "--timeout-header", "--timeout-body", "--metrics-prefix",
-             "--batch-invariant", "--no-batch-invariant",
+             "--batch-invariant", "--no-batch-invariant", "--enforce-eager", "--no-enforce-eager",
              "--trust-request-chat-template"]
 
 
@@ -69,6 +69,9 @@ def test_connection_metrics_and_batch_invariant_flags() -> None:
     assert connection_limits(args) == ConnectionLimits(None, 2.0, 3.0, 4.5)
     assert args.metrics_prefix == "vllm" and config_overrides(args)["batch_invariant"] is True
     assert "batch_invariant" not in config_overrides(parse(["serve"]))  # the preset decides
+    assert "enforce_eager" not in config_overrides(parse(["serve"]))
+    assert config_overrides(parse(["serve", "--enforce-eager"]))["enforce_eager"] is True
+    assert config_overrides(parse(["serve", "--no-enforce-eager"]))["enforce_eager"] is False
     for bad in (["--limit-concurrency", "-1"], ["--timeout-body", "0"],
                 ["--metrics-prefix", "vllm:"]):
         with pytest.raises(SystemExit) as e:
