@@ -54,9 +54,13 @@ logger = logging.getLogger("pagedserve.engine")
 
 KILL_WAIT_S = 5.0  # after STOP_WAIT_S without an exit, terminate; then this long, then kill
 # forkserver: each core is forked from a clean server process that has imported the engine
-# once (no threads, no OpenMP pool yet), so a core starts without re-importing torch.
+# once (no threads, no OpenMP pool yet), so a core starts without re-importing torch; a fork of
+# this process would copy its threads' locks and torch's thread pool mid-use. transformers'
+# modeling code is imported lazily at the first load (~6 CPU s here): preloaded too, or every
+# core started pays it again.
 START_METHOD = "forkserver"
-PRELOAD = ["engine.core_proc"]
+PRELOAD = ["engine.core_proc", "transformers.modeling_utils",
+           "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama"]
 
 T = TypeVar("T")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import pickle
 import queue
 import signal
@@ -65,6 +66,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: int) -> N
         signal.signal(sig, signal.SIG_IGN)  # the API process decides when the core stops
     logging.basicConfig(level=log_level,
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    logger.info("engine core process %d started", os.getpid())
     engine = LLMEngine(config)
     try:
         engine.load()
