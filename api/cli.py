@@ -244,7 +244,8 @@ def serve(args: argparse.Namespace) -> None:
 
 def run_serving(engine: AsyncEngine | EngineCoreClient, server: GracefulServer) -> None:
     """HTTP on a thread of its own, the engine's step loop on the calling thread (see
-    AsyncEngine.run_step_loop), until the server stops. The CLI calls it from the main
+    AsyncEngine.run_step_loop; with --engine-core process the steps run in the core process
+    and the calling thread only waits), until the server stops. The CLI calls it from the main
     thread; tests call it from a thread they start, so both run the same path."""
     def serve_http() -> None:
         try:

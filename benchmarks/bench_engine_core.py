@@ -5,9 +5,10 @@ own (`--engine-core thread|process`), same client, same prompts (issue 9 item 3)
     .venv/bin/python -m benchmarks.bench_engine_core --variants thread= process=--engine-core=process \\
         process-t1="--engine-core=process --num-threads=1"
 
-Each round starts every variant's server in turn (the order flips every round, so a noisy
-neighbour does not always hit the same one), warms it up, then drives it at max concurrency
-1, 16 and 64: ~100-token prompts, 128 output tokens pinned with ignore_eos, streaming,
+Every variant's server is started (all stay up; an idle one waits on its inbox) and warmed
+up; then each round drives them in turn, alternating at each load (the order flips every
+round, so a noisy neighbour does not always hit the same one), at max concurrency 1, 16 and
+64 (2, 16 and 64 requests): ~100-token prompts, 128 output tokens pinned with ignore_eos, streaming,
 greedy, the embedded SmolLM2 in bfloat16. Prints, per variant and concurrency, the median
 over rounds of output tok/s, ITL p50/p99 and TTFT p50, and writes every run to --out.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shlex
 import statistics
@@ -34,7 +36,7 @@ from benchmarks.serving_load import RequestSpec
 METRICS = ("output_throughput", "p50_itl_ms", "p99_itl_ms", "p50_ttft_ms")
 EXTRA_BODY = {"ignore_eos": True, "temperature": 0.0}
 # concurrency -> requests sent (enough for the load to reach steady state, kept short)
-LOADS = {1: 3, 16: 32, 64: 64}
+LOADS = {1: 2, 16: 16, 64: 64}
 
 
 def parse_variants(items: list[str]) -> dict[str, list[str]]:
@@ -53,21 +55,19 @@ def server_command(flags: list[str], dtype: str):  # type: ignore[no-untyped-def
     return command
 
 
-def run_variant(name: str, flags: list[str], specs: dict[int, list[RequestSpec]],
-                dtype: str) -> dict[int, dict[str, Any]]:
-    with ServerProcess(name, server_command(flags, dtype)) as server:
-        t0 = time.monotonic()
-        server.wait_healthy(600)
-        print(f"  {name}: healthy after {time.monotonic() - t0:.1f} s", flush=True)
-        asyncio.run(warm_up(server.base_url, specs[64], 4, EXTRA_BODY))
-        results = {}
-        for c, batch in specs.items():
+def run_round(servers: dict[str, ServerProcess], specs: dict[int, list[RequestSpec]],
+              order: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Every concurrency, and at each one every variant in `order` (alternating)."""
+    results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in order}
+    for c, batch in specs.items():
+        for name in order:
+            server = servers[name]
             m = asyncio.run(measure(server.base_url, batch, Load(f"c{c}", max_concurrency=c),
                                     extra_body=EXTRA_BODY, server_pid=server.pid))
-            results[c] = m
+            results[name][c] = m
             print(f"  {name} c={c}: " + "  ".join(f"{k} {m[k]:.1f}" for k in METRICS)
                   + f"  failed {m['failed']}", flush=True)
-        return results
+    return results
 
 
 def medians(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
@@ -102,16 +102,23 @@ def main(argv: list[str] | None = None) -> None:
     tok = load_tokenizer(model_folder())
     specs = {c: random_dataset(tok, n, (100, 100), (128, 128), seed=c) for c, n in LOADS.items()}
     runs: list[dict[str, Any]] = []
-    for r in range(args.rounds):
-        order = list(variants) if r % 2 == 0 else list(reversed(variants))
-        print(f"round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
-        runs.append({"round": r, "order": order, "results": {
-            name: run_variant(name, variants[name], specs, args.dtype) for name in order}})
-        table = medians(runs, list(variants))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"machine": machine_info(), "variants": variants,
-                                        "loads": LOADS, "runs": runs, "medians": table},
-                                       indent=1, default=str))
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(ServerProcess(name, server_command(flags, args.dtype)))
+                   for name, flags in variants.items()}
+        for name, server in servers.items():  # one at a time: the loads start together
+            t0 = time.monotonic()
+            server.wait_healthy(900)
+            print(f"{name}: healthy after {time.monotonic() - t0:.1f} s", flush=True)
+            asyncio.run(warm_up(server.base_url, specs[16], 4, EXTRA_BODY))
+        for r in range(args.rounds):
+            order = list(variants) if r % 2 == 0 else list(reversed(variants))
+            print(f"round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
+            runs.append({"round": r, "order": order, "results": run_round(servers, specs, order)})
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"machine": machine_info(), "variants": variants,
+                                            "loads": LOADS, "runs": runs,
+                                            "medians": medians(runs, list(variants))},
+                                           indent=1, default=str))
     print_table(medians(runs, list(variants)), len(runs))
 
 

@@ -44,8 +44,13 @@ from engine.core_messages import (
     refusal_error,
 )
 from engine.core_proc import run_engine_core
-from engine.protocol import ChatTemplateArgs, EngineDeadError, EngineLimits, EngineStats
-from engine.protocol import RequestStream as RequestStream
+from engine.protocol import (
+    ChatTemplateArgs,
+    EngineDeadError,
+    EngineLimits,
+    EngineStats,
+    RequestStream,
+)
 from engine.tokenizer import Tokenizer
 from scheduler.errors import InvalidParamError
 from scheduler.sampling_params import SamplingParams
@@ -58,7 +63,6 @@ KILL_WAIT_S = 5.0  # after STOP_WAIT_S without an exit, terminate; then this lon
 # this process would copy its threads' locks and torch's thread pool mid-use. transformers'
 # modeling code is imported lazily at the first load (~6 CPU s here): preloaded too, or every
 # core started pays it again.
-START_METHOD = "forkserver"
 PRELOAD = ["engine.core_proc", "transformers.modeling_utils",
            "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama"]
 
@@ -101,9 +105,8 @@ class EngineCoreClient:
         if self._stopped.is_set():
             raise EngineDeadError("the engine loop is not running")
         parent, child = multiprocessing.Pipe()
-        ctx = multiprocessing.get_context(START_METHOD)
-        if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(PRELOAD)
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # read when the forkserver starts (the first core)
         proc = ctx.Process(target=run_engine_core, name="pagedserve-engine-core",
                            args=(self.config, child, logging.getLogger().getEffectiveLevel()),
                            daemon=True)

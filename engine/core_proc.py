@@ -70,7 +70,7 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: int) -> N
     engine = LLMEngine(config)
     try:
         engine.load()
-    except Exception as e:  # noqa: BLE001 - the API process reports it and stays up
+    except Exception as e:  # the API process reports it and stays up
         logger.exception("model failed to load")
         conn.send_bytes(encode(LoadFailed(f"model failed to load: {e}")))
         return
