@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -55,7 +56,7 @@ def server_command(flags: list[str], dtype: str):  # type: ignore[no-untyped-def
     return command
 
 
-def run_round(servers: dict[str, ServerProcess], specs: dict[int, list[RequestSpec]],
+def run_round(servers: dict[str, Any], specs: dict[int, list[RequestSpec]],
               order: list[str]) -> dict[str, dict[int, dict[str, Any]]]:
     """Every concurrency, and at each one every variant in `order` (alternating)."""
     results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in order}
@@ -64,10 +65,23 @@ def run_round(servers: dict[str, ServerProcess], specs: dict[int, list[RequestSp
             server = servers[name]
             m = asyncio.run(measure(server.base_url, batch, Load(f"c{c}", max_concurrency=c),
                                     extra_body=EXTRA_BODY, server_pid=server.pid))
+            m["load_avg_1m"] = os.getloadavg()[0]
             results[name][c] = m
             print(f"  {name} c={c}: " + "  ".join(f"{k} {m[k]:.1f}" for k in METRICS)
                   + f"  failed {m['failed']}", flush=True)
     return results
+
+
+def start_servers(stack: contextlib.ExitStack, variants: dict[str, list[str]], dtype: str,
+                  specs: dict[int, list[RequestSpec]]) -> dict[str, Any]:
+    servers = {name: stack.enter_context(ServerProcess(name, server_command(flags, dtype)))
+               for name, flags in variants.items()}
+    for name, server in servers.items():  # one at a time: the loads start together
+        t0 = time.monotonic()
+        server.wait_healthy(900)
+        print(f"{name}: healthy after {time.monotonic() - t0:.1f} s", flush=True)
+        asyncio.run(warm_up(server.base_url, next(iter(specs.values())), 4, EXTRA_BODY))
+    return servers
 
 
 def medians(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
@@ -75,13 +89,23 @@ def medians(runs: list[dict[str, Any]], variants: list[str]) -> dict[str, Any]:
     for v in variants:
         table[v] = {}
         for c in LOADS:
-            table[v][c] = {k: statistics.median(r["results"][v][c][k] for r in runs)
-                           for k in METRICS}
+            done = [r["results"][v][c] for r in runs if c in r["results"].get(v, {})]
+            if done:
+                table[v][c] = {k: statistics.median(m[k] for m in done) for k in METRICS}
+                table[v][c]["runs"] = len(done)
     return table
 
 
+class Running:
+    """A server somebody else started (--servers NAME=URL:PID)."""
+
+    def __init__(self, spec: str) -> None:
+        url, _, pid = spec.rpartition(":")
+        self.base_url, self.pid = url, int(pid)
+
+
 def print_table(table: dict[str, Any], rounds: int) -> None:
-    print(f"\nmedians of {rounds} round(s):")
+    print(f"\nmedians over {rounds} round(s) (see `runs` per cell in the JSON):")
     print(f"{'variant':<14}{'c':>4}{'tok/s':>10}{'ITL p50':>10}{'ITL p99':>10}{'TTFT p50':>10}")
     for v, per_c in table.items():
         for c, m in per_c.items():
@@ -97,19 +121,26 @@ def main(argv: list[str] | None = None) -> None:
                    default=["thread=--engine-core=thread", "process=--engine-core=process"])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "engine-core.json")
+    p.add_argument("--loads", type=int, nargs="+", choices=sorted(LOADS), default=sorted(LOADS),
+                   help="max concurrencies to run (default: all)")
+    p.add_argument("--servers", nargs="+", metavar="NAME=URL:PID",
+                   help="drive servers already running instead of starting --variants")
     args = p.parse_args(argv)
+    for c in set(LOADS) - set(args.loads):
+        del LOADS[c]
     variants = parse_variants(args.variants)
+    if args.servers:
+        variants = {name: [] for name in parse_variants(args.servers)}
     tok = load_tokenizer(model_folder())
     specs = {c: random_dataset(tok, n, (100, 100), (128, 128), seed=c) for c, n in LOADS.items()}
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        servers = {name: stack.enter_context(ServerProcess(name, server_command(flags, args.dtype)))
-                   for name, flags in variants.items()}
-        for name, server in servers.items():  # one at a time: the loads start together
-            t0 = time.monotonic()
-            server.wait_healthy(900)
-            print(f"{name}: healthy after {time.monotonic() - t0:.1f} s", flush=True)
-            asyncio.run(warm_up(server.base_url, specs[16], 4, EXTRA_BODY))
+        if args.servers:
+            servers: dict[str, Any] = {
+                name: Running(item.partition("=")[2])
+                for name, item in zip(variants, args.servers)}
+        else:
+            servers = start_servers(stack, variants, args.dtype, specs)
         for r in range(args.rounds):
             order = list(variants) if r % 2 == 0 else list(reversed(variants))
             print(f"round {r + 1}/{args.rounds}: {', '.join(order)}", flush=True)
