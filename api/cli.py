@@ -30,6 +30,7 @@ from api.state import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
+    from engine.core_client import EngineCoreClient
 
 logger = logging.getLogger("pagedserve")
 
@@ -115,6 +116,12 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a Jinja chat_template in requests (as vLLM's flag: off by "
                    "default, since a template runs on the server and can be made slow)")
+    p.add_argument("--engine-core", choices=["thread", "process"], default="thread",
+                   help="where the step loop (scheduler, model runner, detokenizer) runs: "
+                   "`thread`, in this process beside the HTTP server; `process`, in a child "
+                   "process of its own (vLLM v1's EngineCore; messages over a pipe with "
+                   "msgspec), so the API's work does not share the interpreter lock with the "
+                   "steps. Measurements: docs/engine-core.md (default: thread)")
     _add_connection_flags(p)
     p.add_argument("--metrics-prefix", type=_metrics_prefix, default=DEFAULT_PREFIX,
                    help="prefix of every /metrics name before the ':'; `vllm` gives vLLM's "
@@ -220,11 +227,13 @@ def serve(args: argparse.Namespace) -> None:
     from api.state import AppState
     from engine.async_engine import AsyncEngine  # torch loads here, not at import
     from engine.config import load_config
+    from engine.core_client import EngineCoreClient
 
     config = load_config(args.config, **config_overrides(args))
     if config.num_threads is None:
         config = dataclasses.replace(config, num_threads=serving_threads())
-    engine = AsyncEngine(config)
+    engine: AsyncEngine | EngineCoreClient = (
+        EngineCoreClient(config) if args.engine_core == "process" else AsyncEngine(config))
     app = create_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                      trust_request_chat_template=args.trust_request_chat_template,
@@ -239,9 +248,10 @@ def serve(args: argparse.Namespace) -> None:
     run_serving(engine, server)
 
 
-def run_serving(engine: AsyncEngine, server: GracefulServer) -> None:
+def run_serving(engine: AsyncEngine | EngineCoreClient, server: GracefulServer) -> None:
     """HTTP on a thread of its own, the engine's step loop on the calling thread (see
-    AsyncEngine.run_step_loop), until the server stops. The CLI calls it from the main
+    AsyncEngine.run_step_loop; with --engine-core process the steps run in the core process
+    and the calling thread only waits), until the server stops. The CLI calls it from the main
     thread; tests call it from a thread they start, so both run the same path."""
     def serve_http() -> None:
         try:

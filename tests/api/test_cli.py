@@ -16,7 +16,7 @@ ALL_FLAGS = [*ENGINE_FLAGS, "--config", "--host", "--port", "--api-key", "--log-
              "--request-timeout", "--shutdown-timeout", "--limit-concurrency",
              "--timeout-keep-alive", "--timeout-header", "--timeout-body", "--metrics-prefix",
              "--batch-invariant", "--no-batch-invariant", "--enforce-eager", "--no-enforce-eager",
-             "--trust-request-chat-template"]
+             "--trust-request-chat-template", "--engine-core"]
 
 
 def test_help_mentions_every_flag() -> None:
@@ -77,3 +77,11 @@ def test_connection_metrics_and_batch_invariant_flags() -> None:
         with pytest.raises(SystemExit) as e:
             parse(["serve", *bad])
         assert e.value.code == 2
+
+
+def test_engine_core_flag() -> None:
+    parse = build_parser().parse_args
+    assert parse(["serve"]).engine_core == "thread"
+    assert parse(["serve", "--engine-core", "process"]).engine_core == "process"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--engine-core", "fork"])

@@ -1,5 +1,6 @@
 """The engine-API contract (engine/protocol.py), run against both engines the API is tested
-with: the torch-free FakeEngine of the API tests and the real AsyncEngine on a tiny model.
+with: the torch-free FakeEngine of the API tests, the real AsyncEngine on a tiny model and the
+EngineCoreClient with that engine in a child process.
 What the API relies on must hold for both, or the API tests prove nothing."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.core_client import EngineCoreClient
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.protocol import (
@@ -41,6 +43,14 @@ def real_engine(runner: ModelRunner) -> AsyncEngine:
     return AsyncEngine(cfg, LLMEngine(cfg, runner=runner))
 
 
+def process_engine(model: str) -> EngineCoreClient:
+    """The engine core in a child process (--engine-core process): it loads the model itself."""
+    sc = SchedulerConfig(block_size=4, max_model_len=MAX_MODEL_LEN)
+    cfg = EngineConfig(model=model, dtype="float32", device="cpu", num_kv_blocks=128,
+                       num_threads=1, scheduler=sc)
+    return EngineCoreClient(cfg)
+
+
 async def start(engine: EngineClient) -> None:
     """The real engine's step loop runs on a thread the caller gives it (as the CLI's main
     thread); start() then waits for the load."""
@@ -49,10 +59,13 @@ async def start(engine: EngineClient) -> None:
     await engine.start()
 
 
-@pytest.fixture(params=["fake", "real"])
+@pytest.fixture(params=["fake", "real", "process"])
 def make_engine(request: pytest.FixtureRequest) -> Callable[[], EngineClient]:
     if request.param == "fake":
         return lambda: FakeEngine(max_model_len=MAX_MODEL_LEN, token_delay=0.005)
+    if request.param == "process":
+        model = str(request.getfixturevalue("tiny_llama"))
+        return lambda: process_engine(model)
     runner = request.getfixturevalue("llama_runner")
     return lambda: real_engine(runner)
 
