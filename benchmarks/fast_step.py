@@ -29,7 +29,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: benchmarks/ is not an installed package
@@ -170,9 +169,7 @@ def run(args: argparse.Namespace, registry: Mapping[str, ServerSpec], tok: Token
     startup: dict[str, Any] = {}
     with fresh_compile_cache(args.compile_cache) as env:
         run_specs = {v.name: VariantSpec(v, registry[v.server], tuple(env.items())) for v in chosen}
-        comp = Comparison(SimpleNamespace(server_args=args.server_args, seed=args.seed,
-                                          startup_timeout=args.startup_timeout),
-                          plan, run_specs, tok, folder)
+        comp = Comparison(args, plan, run_specs, tok, folder)  # its server_args, seed, startup_timeout
         for v in chosen:
             if v.name == DEFAULT:
                 startup = first_startup(run_specs[v.name], folder, args.dtype, args.startup_timeout)
@@ -186,7 +183,7 @@ def run(args: argparse.Namespace, registry: Mapping[str, ServerSpec], tok: Token
             servers[v.name] = rec
             if v.name == DEFAULT and "ready_s" in rec:
                 startup["second_s"] = rec["ready_s"]
-    hf = (hf_reference(folder, args.dtype, tok, specs["c1"], plan.output_range[0])
+    hf: dict[str, Any] = (hf_reference(folder, args.dtype, tok, specs["c1"], plan.output_range[0])
           if HF in args.servers and "c1" in specs else {"status": "not run", "reason": "not asked"})
     loads = tuple(f"c{c}" for c in plan.concurrencies)
     data = {"benchmark": "fast_step", "quick": args.quick, "args": vars(args), "plan": asdict(plan),
