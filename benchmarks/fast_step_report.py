@@ -81,7 +81,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     axes[2].set(xlabel="max concurrency", ylabel="TTFT p50 (ms)", yscale="log", title="TTFT p50")
     for ax in (axes[0], axes[2]):
         ax.set_xscale("log", base=2)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # no server ran a load: no legend to draw
+            ax.legend(fontsize=7)
     for ax in axes:
         ax.grid(alpha=0.3)
     m = data["machine"]
