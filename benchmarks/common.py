@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -214,14 +215,32 @@ class ServerProcess:
         raise TimeoutError(f"{self.name} not healthy after {timeout_s} s:\n{self.log_tail()}")
 
     def stop(self) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.terminate()
-        try:
-            return self.proc.wait(self.grace_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(10)
+        """SIGTERM, SIGKILL after grace_s; then the same for the server's child processes
+        that outlived it (vLLM's EngineCore and Worker would otherwise stay, orphaned)."""
+        import psutil
+
+        if self.proc is None:
+            return None
+        try:  # listed first: once the leader is gone its children are re-parented
+            kids = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            kids = []
+        code = self.proc.poll()
+        if code is None:
+            self.proc.terminate()
+            try:
+                code = self.proc.wait(self.grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                code = self.proc.wait(10)
+        for kid in kids:  # psutil checks the creation time: never a recycled pid
+            with contextlib.suppress(psutil.Error):
+                kid.terminate()
+        _, alive = psutil.wait_procs(kids, timeout=5)
+        for kid in alive:
+            with contextlib.suppress(psutil.Error):
+                kid.kill()
+        return code
 
     def log_tail(self, n: int = 30) -> str:
         try:

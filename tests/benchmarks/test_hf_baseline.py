@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 # benchmarks/ is not an installed package (pyproject installs engine, api, scheduler only).
-from benchmarks.hf_baseline import run_one_at_a_time, run_static_batches
+from benchmarks.hf_baseline import decode_ms_per_token, run_one_at_a_time, run_static_batches
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18], [19, 20]]
 MAX_NEW = [4, 7, 2, 5, 3]
@@ -60,3 +60,12 @@ def test_rejects_bad_workload(model: LlamaForCausalLM) -> None:
         run_one_at_a_time(model, None, PROMPTS, MAX_NEW[:-1])
     with pytest.raises(ValueError, match="batch_size"):
         run_static_batches(model, PROMPTS, MAX_NEW, batch_size=0)
+
+
+def test_decode_ms_per_token_takes_the_prefill_out(model: LlamaForCausalLM) -> None:
+    out = decode_ms_per_token(model, PROMPTS[:2], 6)
+    assert out["num_requests"] == 2 and out["new_tokens"] == 6 and len(out["per_request_ms"]) == 2
+    assert out["ms_per_token"] == pytest.approx(sum(out["per_request_ms"]) / 2)  # median of 2
+    assert out["first_token_ms"] > 0
+    with pytest.raises(ValueError, match="new_tokens must be >= 2"):
+        decode_ms_per_token(model, PROMPTS[:1], 1)
