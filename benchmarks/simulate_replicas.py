@@ -7,7 +7,8 @@ places every request of a shared-prefix multi-turn conversation trace (sim_workl
 See docs/scaling-simulation.md for the method and the findings.
 
 Sweeps (every policy in each):
-  replicas   N = 1..16 at a fixed offered rate per replica (--load x one replica's capacity)
+  replicas   N = 1..16 at a fixed offered rate per replica (--load x one replica's capacity);
+             the request count grows with N (--requests-per-replica)
   rate       N fixed (--fixed-replicas), offered rate from 0.25x to 1.25x N replicas' capacity
   prefixes   N fixed, the number of distinct system prompts grows past one replica's KV pool
   skew       N fixed, Zipf-skewed system prompts; prefix-aware also without its overload check
@@ -32,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR
-from benchmarks.sim_core import SimConfig, simulate
+from benchmarks.sim_core import SimConfig, Simulation, simulate
 from benchmarks.sim_router import POLICIES
 from benchmarks.sim_workload import WorkloadConfig
 from benchmarks.step_cost import Profile
@@ -59,11 +60,12 @@ def preset_scheduler(path: Path = PRESET) -> SchedulerConfig:
 
 
 def base_config(args: argparse.Namespace, profile: Profile) -> SimConfig:
-    sched = preset_scheduler()
+    sched = preset_scheduler(args.preset)
     if sched.block_size != profile.block_size:
         sched = replace(sched, block_size=profile.block_size)
     wl = WorkloadConfig(num_requests=args.requests_per_replica, rate=1.0,
                         num_system_prompts=args.system_prompts, think_time_s=args.think_time,
+                        turns=(args.turns[0], args.turns[1]),
                         max_model_len=sched.max_model_len, seed=args.seed)
     return SimConfig(1, "round-robin", wl, sched, args.num_kv_blocks or profile.num_kv_blocks,
                      profile.model, args.imbalance_threshold, args.seed)
@@ -77,9 +79,18 @@ def with_load(base: SimConfig, n: int, policy: str, rate: float, **wl: Any) -> S
 
 
 def capacity(base: SimConfig) -> tuple[float, dict[str, Any]]:
-    """One replica's request throughput when every conversation arrives at once."""
-    r = simulate(with_load(base, 1, "round-robin", 1e6))
-    return r["request_throughput"], r
+    """One replica's request throughput when far more is offered than it can serve: twice
+    max_num_seqs conversations arrive at once, so the batch is full (not capped by how many
+    conversations there are). Measured up to the 80th percentile finish, before the tail
+    where only the longest conversations' last turns are left."""
+    turns = base.workload.mean_turns
+    n = max(base.workload.num_requests, int(2 * base.scheduler.max_num_seqs * turns))
+    sim = Simulation(with_load(replace(base, workload=replace(base.workload, num_requests=n)),
+                               1, "round-robin", 1e6))
+    summary = sim.run()
+    finishes = sorted(r.finish_s for r in sim.records.values() if r.finish_s is not None)
+    k = int(0.8 * len(finishes))
+    return k / finishes[k - 1], summary
 
 
 def sweep_points(base: SimConfig, cap: float, args: argparse.Namespace) -> Iterator[Point]:
@@ -124,17 +135,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer points and requests (~1 min)")
     p.add_argument("--profile", type=Path, default=None,
                    help="step-cost JSON (default: newest results/step-cost-*.json)")
-    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--fixed-replicas", type=int, default=8, help="N of the other sweeps")
+    p.add_argument("--preset", type=Path, default=PRESET,
+                   help="TOML whose [scheduler] table each replica runs (default: the default "
+                        "preset, what `pagedserve serve` runs)")
+    p.add_argument("--replicas", type=int, nargs="*", default=[1, 2, 4, 8, 16])
+    p.add_argument("--fixed-replicas", type=int, default=4, help="N of the other sweeps")
     p.add_argument("--load", type=float, default=0.7,
                    help="offered rate per replica, as a fraction of one replica's capacity")
-    # --rate-fractions, --prefix-counts, --skews with no value skip that sweep
+    # --replicas, --rate-fractions, --prefix-counts, --skews with no value skip that sweep
     p.add_argument("--rate-fractions", type=float, nargs="*",
                    default=[0.25, 0.5, 0.75, 1.0, 1.25])
     p.add_argument("--prefix-counts", type=int, nargs="*", default=[2, 8, 32, 128])
     p.add_argument("--skews", type=float, nargs="*", default=[0.0, 1.0, 2.0])
-    p.add_argument("--requests-per-replica", type=int, default=60)
+    p.add_argument("--requests-per-replica", type=int, default=100)
     p.add_argument("--system-prompts", type=int, default=8)
+    p.add_argument("--turns", type=int, nargs=2, default=[1, 6], metavar=("MIN", "MAX"),
+                   help="turns per conversation, uniform")
     p.add_argument("--think-time", type=float, default=2.0, help="mean seconds between turns")
     p.add_argument("--imbalance-threshold", type=int, default=8,
                    help="prefix-aware: a replica is overloaded when its in-flight requests "

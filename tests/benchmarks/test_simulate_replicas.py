@@ -160,8 +160,12 @@ def test_profile_loads_what_the_profiler_writes(tmp_path: Path) -> None:
 
 
 def test_one_command_writes_json_and_plot(tmp_path: Path) -> None:
+    preset = tmp_path / "small.toml"  # 8 sequences: a short capacity run (2 x 8 conversations)
+    preset.write_text("[scheduler]\nmax_num_seqs = 8\nmax_num_batched_tokens = 256\n"
+                      "max_model_len = 1024\nlong_prefill_token_threshold = 128\n")
     simulate_replicas.main([
-        "--profile", str(profile_file(tmp_path)), "--out", str(tmp_path), "--replicas", "1", "2",
+        "--profile", str(profile_file(tmp_path)), "--out", str(tmp_path), "--preset", str(preset),
+        "--replicas", "1", "2",
         "--fixed-replicas", "2", "--rate-fractions", "--prefix-counts", "--skews", "1.0",
         "--requests-per-replica", "6", "--system-prompts", "2"])
     (js,) = tmp_path.glob("simulate-replicas-*.json")
