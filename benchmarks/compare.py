@@ -44,6 +44,7 @@ from benchmarks.loadgen import Load, Tokenizer, get_models, measure, random_data
 from benchmarks.serving_load import RequestSpec
 
 OURS = "pagedserve"
+OPT_IN_SERVERS = frozenset({"pagedserve-ray2"})  # = baselines.registry.OPT_IN (torch-free here)
 DEFAULT_SERVERS = (OURS, "naive", "request-batching", "transformers-cb")
 HEADLINE_LOAD = "c16"  # ratios.<baseline>.<metric> are taken here
 POISSON_TARGET_LOAD = "poisson-80"
@@ -342,8 +343,10 @@ def parse_args(argv: list[str] | None = None, server_names: tuple[str, ...] = DE
                ) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--servers", nargs="+", default=list(server_names), choices=list(server_names),
-                   help="which servers (pagedserve always runs first)")
+    p.add_argument("--servers", nargs="+", choices=list(server_names),
+                   default=[n for n in server_names if n not in OPT_IN_SERVERS],
+                   help="which servers (pagedserve always runs first; pagedserve-ray2, "
+                   "`pagedserve --num-replicas 2`, only when named)")
     p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
                    help="one full comparison per dtype; the first one fills ratios/checks")
     p.add_argument("--quick", action="store_true",
