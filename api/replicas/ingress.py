@@ -32,6 +32,13 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> Starlette:
         return self._app
 
+    async def drain(self, timeout_s: float) -> int:
+        """Graceful shutdown, as one process does it on SIGTERM: new requests and /health get
+        503, open streams get `timeout_s` to finish, the rest end with an error event and
+        [DONE]. -> how many were cut. The launcher calls it before stopping Serve, whose own
+        shutdown would close the proxy's connections mid-stream."""
+        return await AppState.of_app(self._app).lifecycle.drain(timeout_s)
+
 
 async def _model_name(board: Any) -> str:
     """The served model's id, from the first replica report: the engine derives it where the

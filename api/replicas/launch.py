@@ -132,22 +132,26 @@ def gpus_per_replica(config: EngineConfig) -> float:
 
 
 def run(config: EngineConfig, settings: ServeSettings) -> None:
-    """Deploy, serve until SIGTERM/SIGINT, then shut down (and leave no Ray process behind
+    """Deploy, serve until SIGTERM/SIGINT, drain, shut down (and leave no Ray process behind
     when the cluster was ours)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     config = replica_config(config, settings.replicas, os.cpu_count() or 1)
     start_ray(settings.replicas, config)
     try:
         settings = dataclasses.replace(settings, num_gpus_per_replica=gpus_per_replica(config))
         serve.start(http_options={"host": settings.host, "port": settings.port})
         app = build_app(config, settings, create_board())
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        ingress = serve.run(app, name=APP_NAME, route_prefix="/")
+        stop = threading.Event()
+        # After ray.init: Ray's own SIGTERM handler aborts the process.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         logger.info("serving at http://%s:%d/v1 through Ray Serve (%s)", settings.host,
                     settings.port, describe(settings.replicas))
         stop.wait()
-        logger.info("shutting down: requests in flight get %.0f s", settings.shutdown_timeout)
+        logger.info("draining: requests in flight get up to %.0f s", settings.shutdown_timeout)
+        cut = ingress.drain.remote(settings.shutdown_timeout).result(
+            timeout_s=settings.shutdown_timeout + 30)
+        logger.info("drained (%d request(s) cut); stopping Ray Serve", cut)
     finally:
         stop_serving(settings.replicas)
 

@@ -27,7 +27,6 @@ class ReplicaOptions:
     upscale_delay_s: float = DEFAULT_UPSCALE_DELAY_S
     downscale_delay_s: float = DEFAULT_DOWNSCALE_DELAY_S
     look_back_period_s: float = DEFAULT_LOOK_BACK_PERIOD_S
-    metrics_interval_s: float = 10.0  # how often replicas report load to the autoscaler
     routing: str = "prefix-aware"
     ray_address: str | None = None  # None: start a local Ray cluster, stop it on exit
 
@@ -63,8 +62,7 @@ class ReplicaOptions:
             "target_ongoing_requests": self.target_ongoing_requests,
             "upscale_delay_s": self.upscale_delay_s,
             "downscale_delay_s": self.downscale_delay_s,
-            "look_back_period_s": self.look_back_period_s,
-            "metrics_interval_s": self.metrics_interval_s}}
+            "look_back_period_s": self.look_back_period_s}}
 
 
 def add_replica_flags(p: argparse.ArgumentParser) -> None:

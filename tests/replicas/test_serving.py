@@ -319,8 +319,7 @@ def test_autoscaling_adds_a_replica_under_a_burst_and_drops_it_when_idle(
         cluster: RayCluster, tiny_model: Path) -> None:
     opts = ReplicaOptions(num_replicas=None, min_replicas=1, max_replicas=2,
                           target_ongoing_requests=2, upscale_delay_s=0.5,
-                          downscale_delay_s=2.0, look_back_period_s=1.0,
-                          metrics_interval_s=0.25)
+                          downscale_delay_s=2.0, look_back_period_s=1.0)
     with deployed(cluster, replica_config(tiny_model), opts) as u:
         wait_replicas(u, 1)
         stop = threading.Event()

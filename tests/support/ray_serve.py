@@ -49,8 +49,14 @@ class RayCluster:
 def ray_cluster(num_cpus: int = 4) -> Iterator[RayCluster]:
     """A local Ray cluster with Serve's proxy on a free port; everything stopped after."""
     port = free_port()
+    # Replicas and handles push autoscaling metrics every 0.25 s (Ray's default: 10 s), so
+    # the autoscaling test sees a burst within its short look-back window.
+    push = "0.25"
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {
+                 "OMP_NUM_THREADS": "1",
+                 "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": push,
+                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": push}})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield RayCluster(port)
