@@ -2,7 +2,7 @@
 requests against `pagedserve serve` and against `pagedserve serve --num-replicas 1` (same
 engine, same cores; the only difference is Serve's proxy, the ingress and the handle hop).
 
-    .venv/bin/python -m benchmarks.replica_overhead            # ~5 min on a quiet 2-core box
+    .venv/bin/python -m benchmarks.replica_overhead            # from the repository root
     .venv/bin/python -m benchmarks.replica_overhead --requests 50 --extra-args --dtype float32
 
 Prints and writes (--out) p50/p90 TTFT and latency per server and the difference.
@@ -25,13 +25,14 @@ import httpx
 
 from benchmarks.common import ServerProcess, machine_info
 
-VENV_BIN = Path(sys.executable).parent
 VARIANTS = {"single": [], "ray-1-replica": ["--num-replicas", "1"]}
 
 
 def command(extra: list[str], variant: list[str]) -> Any:
+    # `python -m api` from the repository root: the code of this checkout, whatever the
+    # venv's `pagedserve` entry point was installed from.
     def argv(port: int) -> list[str]:
-        return [str(VENV_BIN / "pagedserve"), "serve", "--host", "127.0.0.1", "--port",
+        return [sys.executable, "-m", "api", "serve", "--host", "127.0.0.1", "--port",
                 str(port), "--log-level", "warning", *extra, *variant]
     return argv
 

@@ -86,3 +86,24 @@ def test_single_process_server_never_imports_ray() -> None:
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          cwd=ROOT, timeout=120, check=True).stdout.split()
     assert out == ["False"]
+
+
+def test_rayservice_builder_reads_the_serve_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """deploy/rayservice.yaml's import_path builds the app from $PAGEDSERVE_ARGS (no cluster
+    is needed to build it: the board and the GPU count are stubbed)."""
+    from ray import serve
+
+    from api.replicas import launch
+
+    boards: list[str | None] = []
+    monkeypatch.setattr(launch, "create_board",
+                        lambda detached_name=None: boards.append(detached_name) or "board")
+    monkeypatch.setattr(launch, "gpus_per_replica", lambda config: 0.0)
+    monkeypatch.setenv("PAGEDSERVE_ARGS", "--config tiny --min-replicas 1 --max-replicas 3 "
+                       "--routing round-robin --api-key k")
+    app = launch.app_from_env({})
+    assert isinstance(app, serve.Application)
+    assert boards == ["pagedserve-board"]  # detached: the builder's task ends, the app stays
+    monkeypatch.setenv("PAGEDSERVE_ARGS", "--num-replicas 0")
+    with pytest.raises(SystemExit):
+        launch.app_from_env({})
