@@ -96,8 +96,12 @@ def test_rayservice_builder_reads_the_serve_flags(monkeypatch: pytest.MonkeyPatc
     from api.replicas import launch
 
     boards: list[str | None] = []
-    monkeypatch.setattr(launch, "create_board",
-                        lambda detached_name=None: boards.append(detached_name) or "board")
+
+    def fake_board(detached_name: str | None = None) -> str:
+        boards.append(detached_name)
+        return "board"
+
+    monkeypatch.setattr(launch, "create_board", fake_board)
     monkeypatch.setattr(launch, "gpus_per_replica", lambda config: 0.0)
     monkeypatch.setenv("PAGEDSERVE_ARGS", "--config tiny --min-replicas 1 --max-replicas 3 "
                        "--routing round-robin --api-key k")
