@@ -136,15 +136,16 @@ def run(config: EngineConfig, settings: ServeSettings) -> None:
     when the cluster was ours)."""
     config = replica_config(config, settings.replicas, os.cpu_count() or 1)
     start_ray(settings.replicas, config)
+    stop = threading.Event()
+    # Right after ray.init, whose own SIGTERM handler aborts the process; a signal during
+    # start-up is then served once the app is up (drained at once).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
         settings = dataclasses.replace(settings, num_gpus_per_replica=gpus_per_replica(config))
         serve.start(http_options={"host": settings.host, "port": settings.port})
         app = build_app(config, settings, create_board())
         ingress = serve.run(app, name=APP_NAME, route_prefix="/")
-        stop = threading.Event()
-        # After ray.init: Ray's own SIGTERM handler aborts the process.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
         logger.info("serving at http://%s:%d/v1 through Ray Serve (%s)", settings.host,
                     settings.port, describe(settings.replicas))
         stop.wait()
