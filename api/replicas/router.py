@@ -3,7 +3,8 @@
 prefix-aware (ours, PrefixAwareRouter): a request goes to the replica that was last given
 the longest prefix of its prompt (PrefixIndex), unless that replica is overloaded (its queue
 longer than the shortest by more than `imbalance`) or full; then, as when no replica holds
-any of it, to the less loaded of two random replicas (power of two choices). Ray's own
+any of it, to the less loaded of two random replicas (power of two choices). A cold prefix's
+choice is recorded at once, so its duplicates arriving before it is routed follow it. Ray's own
 PrefixCacheAffinityRouter was not used: it matches prompt *text* in a separate actor with
 blocking calls on the routing path, and needs `prompt`/`messages` attributes on the request,
 while our engine requests carry token ids, which hash exactly as the engine's cache does.
@@ -52,10 +53,20 @@ class PrefixAwareRouter(RequestRouter):
             return [two]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         owner, _ = self._index.lookup(prompt, by_id)
-        if owner is None or self._overloaded(by_id[owner], candidate_replicas):
+        if owner is None:
+            # A cold prefix: the less loaded of the two, recorded now rather than once routed,
+            # so its duplicates arriving meanwhile follow it instead of drawing their own pair.
+            pick = min(two, key=self._queue_len)
+            self._index.record(prompt, pick.replica_id.unique_id)
+            return [[pick], two]
+        if self._overloaded(by_id[owner], candidate_replicas):
             return [two]
         # Serve tries the ranks in order: the owner first (skipped if its queue is full).
         return [[by_id[owner]], two]
+
+    def _queue_len(self, replica: RunningReplica) -> int:
+        """Serve's cached count of requests in flight there (0 when unknown)."""
+        return self._replica_queue_len_cache.get(replica.replica_id) or 0
 
     def _overloaded(self, replica: RunningReplica, candidates: list[RunningReplica]) -> bool:
         """From Serve's cached queue lengths; an unknown length is not counted as load."""
