@@ -25,6 +25,7 @@ from api.connections import (
     uvicorn_config,
 )
 from api.metrics import DEFAULT_PREFIX, check_prefix
+from api.replicas.options import ReplicaOptions, add_replica_flags, replica_options
 from api.server import DEFAULT_SHUTDOWN_TIMEOUT_S, GracefulServer
 from api.state import DEFAULT_MAX_BODY_BYTES
 
@@ -146,6 +147,7 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="run the model forward eagerly instead of torch.compile'd (as vLLM's "
                    "flag): no compile at start-up, slower steps; see docs/performance.md "
                    f"({PRESET}, else off)")
+    add_replica_flags(p)
 
 
 def _add_connection_flags(p: argparse.ArgumentParser) -> None:
@@ -205,10 +207,26 @@ def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        replicas = replica_options(args)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(args)
+    if replicas is not None:
+        serve_replicas(args, replicas)
+    else:
+        serve(args)
+
+
+def serve_replicas(args: argparse.Namespace, replicas: ReplicaOptions) -> None:
+    """The same API as a Ray Serve application (api/replicas/): Ray loads only here."""
+    from api.replicas.launch import run, settings_from_args
+    from engine.config import load_config
+
+    run(load_config(args.config, **config_overrides(args)), settings_from_args(args, replicas))
 
 
 def serving_threads() -> int:

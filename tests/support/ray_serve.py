@@ -1,0 +1,119 @@
+"""A Ray Serve deployment of pagedserve for tests: a small local Ray cluster (no dashboard,
+few logical CPUs), Serve's HTTP proxy on a free loopback port, the app built exactly as the
+CLI builds it (api.replicas.launch.build_app), and a teardown that leaves no Ray process.
+
+One cluster per test module (a module fixture): starting Ray costs seconds on 2 cores; apps
+are deployed and deleted on it as tests need.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import ray
+from ray import serve
+
+from api.replicas.launch import APP_NAME, ServeSettings, build_app
+from api.replicas.options import ReplicaOptions
+from engine.config import EngineConfig
+from engine.replicas.board import create_board
+
+METRIC = re.compile(r'^(pagedserve:[a-z_]+)\{([^}]*)\} ([0-9.e+-]+|NaN)$')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class RayCluster:
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@contextmanager
+def ray_cluster(num_cpus: int = 4) -> Iterator[RayCluster]:
+    """A local Ray cluster with Serve's proxy on a free port; everything stopped after."""
+    port = free_port()
+    # Replicas and handles push autoscaling metrics every 0.25 s (Ray's default: 10 s), so
+    # the autoscaling test sees a burst within its short look-back window.
+    push = "0.25"
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {
+                 "OMP_NUM_THREADS": "1",
+                 "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": push,
+                 "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": push}})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield RayCluster(port)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@contextmanager
+def deployed(cluster: RayCluster, config: EngineConfig, replicas: ReplicaOptions,
+             **app_options: Any) -> Iterator[str]:
+    """Deploy the app (waits until every replica has loaded), yield its base URL, delete it."""
+    settings = ServeSettings(replicas, app_options, shutdown_timeout=5.0)
+    serve.run(build_app(config, settings, create_board()), name=APP_NAME, route_prefix="/")
+    try:
+        wait_healthy(cluster.url)
+        yield cluster.url
+    finally:
+        serve.delete(APP_NAME)
+
+
+def wait_healthy(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the Ray Serve app did not become healthy")
+
+
+def replica_metrics(url: str) -> dict[str, dict[str, float]]:
+    """{metric name: {replica id: value}} for the engine series of /metrics."""
+    out: dict[str, dict[str, float]] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        m = METRIC.match(line)
+        if m is None:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        if "replica" in labels:
+            out.setdefault(m.group(1), {})[labels["replica"]] = float(m.group(3))
+    return out
+
+
+def ray_processes() -> list[int]:
+    """Pids of raylet / gcs_server processes on this machine (leftovers after a test)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")[0]
+        except OSError:
+            continue
+        if cmd.endswith((b"raylet", b"gcs_server")):
+            pids.append(int(pid))
+    return pids
