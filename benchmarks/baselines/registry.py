@@ -84,7 +84,7 @@ def _transformers_fields(ignore_eos: bool) -> dict[str, Any]:
     return {"generation_config": json.dumps({"do_sample": False, "eos_token_id": -1})}
 
 
-# pagedserve-ray2 runs only when named in --servers (benchmarks/compare.py OPT_IN_SERVERS):
+# pagedserve-ray2 runs only when named in --servers (it is not in benchmarks/compare.py DEFAULT_SERVERS):
 # starting a Ray cluster takes minutes on a small shared box.
 SERVERS: dict[str, ServerSpec] = {s.name: s for s in [
     ServerSpec("pagedserve", "pagedserve: continuous batching (per-step scheduler) over a "
