@@ -26,6 +26,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None = all cores
     # A request's tokens do not depend on what else is in its step (engine/batch_invariant.py)
     batch_invariant: bool = False
+    # auto | none | int8 | int4: weight-only quantized linears (engine/quant.py)
+    quantization: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -37,6 +39,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError("quantization must be auto, none, int8 or int4")
 
 
 def parse_memory(text: str | int) -> int:
