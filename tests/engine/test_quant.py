@@ -92,7 +92,7 @@ def test_int4_rejects_bad_group_sizes() -> None:
 
 
 # bfloat16 activations and scales: relative error of a dot product of ~K terms ~ 2^-8.
-TOL = {"rtol": 2e-2, "atol": 2e-2}
+RTOL = ATOL = 2e-2
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
@@ -103,8 +103,8 @@ def test_quantized_linear_matches_the_dequantized_matmul(rows: int) -> None:
     out4 = Int4Linear(q4, bias)(x)
     out8 = Int8Linear(q8, bias)(x)
     assert out4.shape == out8.shape == (2, rows, 96) and out4.dtype == torch.float32
-    torch.testing.assert_close(out4, F.linear(x, q4.dequantize(), bias), **TOL)
-    torch.testing.assert_close(out8, F.linear(x, q8.dequantize(), bias), **TOL)
+    torch.testing.assert_close(out4, F.linear(x, q4.dequantize(), bias), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out8, F.linear(x, q8.dequantize(), bias), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("cls", ["int4", "int8"])
