@@ -45,6 +45,10 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
                             "model id in /v1/models and responses (default: from --model)"),
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16 (default: auto)"),
     "--device": ("device", str, "auto | cpu | cuda | cuda:N (default: auto)"),
+    "--quantization": ("quantization", str,
+                       ("weights: auto (a GGUF keeps its Q4/Q8 weights, safetensors stays "
+                        "dense) | none (dense) | int8 | int4 (quantized at load) (default: "
+                        "auto)")),
     "--block-size": ("block_size", int, f"tokens per KV block ({PRESET}, else 16)"),
     "--num-kv-blocks": ("num_kv_blocks", int,
                         ("KV pool size in blocks; wins over --kv-cache-memory (default: sized "
@@ -134,6 +138,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
             extra["choices"] = ["fcfs", "priority"]
         if flag == "--dtype":
             extra["choices"] = ["auto", "float32", "bfloat16", "float16"]
+        if flag == "--quantization":
+            extra["choices"] = ["auto", "none", "int8", "int4"]
         p.add_argument(flag, type=kind, default=None, help=help_, **extra)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help=f"reuse KV blocks of shared prompt prefixes ({PRESET}, "

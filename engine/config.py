@@ -32,6 +32,8 @@ class EngineConfig:
     # compile costs a minute or more of CPU on a 2-core box, see docs/performance.md).
     enforce_eager: bool = False
     compile_dynamic: bool = True
+    # auto | none | int8 | int4: weight-only quantized linears (engine/quant.py)
+    quantization: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -43,6 +45,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise ValueError("quantization must be auto, none, int8 or int4")
 
 
 def parse_memory(text: str | int) -> int:

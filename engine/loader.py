@@ -181,19 +181,27 @@ def _convert(gguf: Path, out: Path) -> None:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_model(model: str | None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
+               quantization: str = "none", batch_invariant: bool = False) -> LoadedModel:
+    """`quantization`: see engine/quant.py (none, the default here, is HF's dense model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.quant import quantize_model, resolve_mode
 
     source, name = resolve_source(model)
     folder = converted_gguf(source) if source.is_file() else source
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    mode = resolve_mode(quantization, source.is_file(), dev, batch_invariant)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)
     hf_model = hf_model.to(dev).eval()
-    log.info("loaded %s (%s, %s) in %.2f s", name, dev, dt, time.perf_counter() - t0)
-    return LoadedModel(hf_model, tokenizer, model_facts(hf_model, tokenizer, name))
+    facts = model_facts(hf_model, tokenizer, name)  # before quantizing: it reads lm_head.weight
+    quantize_model(hf_model, mode, source if source.is_file() else None)
+    log.info("loaded %s (%s, %s, quantization %s) in %.2f s", name, dev, dt, mode,
+             time.perf_counter() - t0)
+    return LoadedModel(hf_model, tokenizer, facts)
 
 
 def model_facts(model: Any, tokenizer: Any, name: str) -> ModelFacts:

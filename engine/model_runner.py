@@ -86,7 +86,8 @@ class ModelRunner:
         torch.set_num_threads(self.config.num_threads or _usable_cores())
         torch.manual_seed(self.config.seed)
         attention.register()
-        loaded = load_model(self.config.model, self.config.device, self.config.dtype)
+        loaded = load_model(self.config.model, self.config.device, self.config.dtype,
+                            self.config.quantization, self.config.batch_invariant)
         self.model = loaded.model
         self.model.set_attn_implementation(attention.ATTN_NAME)
         if self.config.batch_invariant:

@@ -52,8 +52,9 @@ def smollm2_runner() -> ModelRunner:
     """The real embedded SmolLM2 in float32 (converted on first use: ~25 s, then ~0.5 s)."""
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512,
                             block_size=16)
+    # quantization none: the golden contract (tokens equal HF's) is about the dense weights.
     return loaded_runner(EngineConfig(model=None, dtype="float32", device="cpu", enforce_eager=True,
-                                      num_kv_blocks=256, scheduler=sched))
+                                      num_kv_blocks=256, quantization="none", scheduler=sched))
 
 
 @pytest.fixture(scope="session")
