@@ -138,7 +138,12 @@ class CompiledForward:
 
     def warm_up_sizes(self) -> list[int]:
         # dynamic: T == 1 is its own graph (dynamo specialises sizes 0 and 1), 2 covers the rest
-        return [1, 2] if self.dynamic else list(self.buckets)
+        # unless a module branches on its row count (the quantized linears of engine/quant.py
+        # switch to dense weights above a threshold): that guard splits 2.. in two, so the
+        # budget is warmed too, or the first large step would recompile under a request.
+        if self.dynamic:
+            return sorted({1, min(2, self.buckets[-1]), self.buckets[-1]})
+        return list(self.buckets)
 
     def warm_up(self, run: Callable[[int], None]) -> float:
         """Compile every shape now (run(size): one dummy forward of size tokens), not on a
