@@ -43,7 +43,8 @@ def live() -> Iterator[Live]:
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512, max_model_len=2048,
                             block_size=16)
     runner: ModelRunner = loaded_runner(EngineConfig(
-        model=None, dtype="float32", device="cpu", enforce_eager=True, num_kv_blocks=512, scheduler=sched))
+        model=None, dtype="float32", device="cpu", enforce_eager=True, num_kv_blocks=512,
+        quantization="none", scheduler=sched))  # the dense model these draws were made on
     with live_server(runner, max_model_len=2048, max_num_seqs=8,
                      max_num_batched_tokens=512) as server:
         yield server

@@ -152,11 +152,11 @@ def test_enforce_eager_and_batch_invariant_do_not_compile(tiny_llama: Path) -> N
 
 @pytest.fixture(scope="module")
 def compiled_smollm2() -> ModelRunner:
-    """The real SmolLM2, fp32, compiled as the server compiles it (the default settings)."""
+    """The real SmolLM2, fp32, dense (as the golden runner), compiled as the server compiles it."""
     sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512,
                             block_size=16)
     return loaded_runner(EngineConfig(model=None, dtype="float32", device="cpu",
-                                      num_kv_blocks=256, scheduler=sched))
+                                      num_kv_blocks=256, quantization="none", scheduler=sched))
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -165,6 +165,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~2.5 min of inductor compile on 2 cores: `pytest -m heavy` runs it
 def test_compiled_greedy_equals_eager_on_golden_prompts(
         smollm2_runner: ModelRunner, compiled_smollm2: ModelRunner) -> None:
     """All golden prompts at once through the engine: prefill chunks, mixed and decode steps."""

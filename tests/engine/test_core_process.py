@@ -47,7 +47,7 @@ LONG = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)  # ~seco
 def core_config(model: Path, **scheduler: int) -> EngineConfig:
     opts: dict[str, Any] = {"block_size": 4, "max_model_len": 512, **scheduler}
     return EngineConfig(model=str(model), dtype="float32", device="cpu", num_kv_blocks=128,
-                        num_threads=1, served_model_name="tiny",
+                        num_threads=1, served_model_name="tiny", enforce_eager=True,
                         scheduler=SchedulerConfig(**opts))
 
 

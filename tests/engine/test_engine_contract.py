@@ -47,7 +47,7 @@ def process_engine(model: str) -> EngineCoreClient:
     """The engine core in a child process (--engine-core process): it loads the model itself."""
     sc = SchedulerConfig(block_size=4, max_model_len=MAX_MODEL_LEN)
     cfg = EngineConfig(model=model, dtype="float32", device="cpu", num_kv_blocks=128,
-                       num_threads=1, scheduler=sc)
+                       num_threads=1, enforce_eager=True, scheduler=sc)
     return EngineCoreClient(cfg)
 
 

@@ -106,7 +106,7 @@ def test_quantized_engine_greedy_text_is_sensible(mode: str) -> None:
     sched = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
                             block_size=16)
     llm = LLM(EngineConfig(model=None, dtype="float32", device="cpu", num_kv_blocks=32,
-                           quantization=mode, scheduler=sched))
+                           quantization=mode, enforce_eager=True, scheduler=sched))
     layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
     assert isinstance(layer, Int4Linear if mode == "int4" else Int8Linear)
     prompts = ["The capital of France is", "Water boils at a temperature of"]

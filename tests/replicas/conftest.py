@@ -28,7 +28,7 @@ def replica_config(model: Path, **scheduler: object) -> EngineConfig:
                                "max_num_queued_reqs": 2, "enable_prefix_caching": True}
     opts.update(scheduler)
     return EngineConfig(model=str(model), dtype="float32", device="cpu", num_kv_blocks=400,
-                        num_threads=1, served_model_name="tiny",
+                        num_threads=1, served_model_name="tiny", enforce_eager=True,
                         scheduler=SchedulerConfig(**opts))  # type: ignore[arg-type]
 
 

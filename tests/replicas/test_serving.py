@@ -38,12 +38,15 @@ def url(cluster: RayCluster, tiny_model: Path) -> Iterator[str]:
         yield u
 
 
-def wait_replicas(url: str, n: int, timeout: float = 90.0) -> dict[str, dict[str, float]]:
-    """Wait until /metrics shows exactly n replicas; returns the metrics read."""
+def wait_replicas(url: str, n: int, timeout: float = 90.0, without: str | None = None
+                  ) -> dict[str, dict[str, float]]:
+    """Wait until /metrics shows exactly n replicas (none of them `without`: a dead replica's
+    last report stays fresh for STALE_AFTER_S); returns the metrics read."""
     deadline = time.monotonic() + timeout
     while True:
         m = replica_metrics(url)
-        if len(m.get(TOTAL, {})) == n:
+        shown = m.get(TOTAL, {})
+        if len(shown) == n and without not in shown:
             return m
         assert time.monotonic() < deadline, f"replicas: {sorted(m.get(TOTAL, {}))}, want {n}"
         time.sleep(0.2)
@@ -245,8 +248,8 @@ def test_killed_replica_fails_only_its_requests_and_recovers(url: str) -> None:
                        timeout=30)
         assert r.status_code == 200, r.text
     assert httpx.get(url + "/health", timeout=10).status_code == 200
-    m = wait_replicas(url, 2)
-    assert victim not in m[TOTAL]  # a new replica took its place
+    m = wait_replicas(url, 2, without=victim)  # a new replica took its place
+    assert victim not in m[TOTAL] and len(m[TOTAL]) == 2
 
 
 # ---- prefix affinity -------------------------------------------------------------------------
