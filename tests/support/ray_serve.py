@@ -105,15 +105,19 @@ def replica_metrics(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def ray_processes() -> list[int]:
-    """Pids of raylet / gcs_server processes on this machine (leftovers after a test)."""
+def ray_processes(driver: int) -> list[int]:
+    """Pids of the raylet / gcs_server processes of the Ray cluster that process `driver`
+    started (leftovers after a test). Ray names a session session_<time>_<driver pid> and
+    passes its folder to both on their command line; other clusters on the machine (another
+    test run) are not ours to count."""
+    mark = f"_{driver}/".encode()
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().split(b"\0")[0]
+                cmd = f.read().split(b"\0")
         except OSError:
             continue
-        if cmd.endswith((b"raylet", b"gcs_server")):
+        if cmd[0].endswith((b"raylet", b"gcs_server")) and any(mark in a for a in cmd[1:]):
             pids.append(int(pid))
     return pids
