@@ -178,11 +178,17 @@ def test_over_http_a_killed_core_ends_streams_with_an_error_then_503(tiny_llama:
     assert not thread.is_alive()
 
 
-def test_shutdown_leaves_no_core_process(tiny_llama: Path) -> None:
+def test_shutdown_leaves_no_core_process(tiny_llama: Path, caplog: pytest.LogCaptureFixture
+                                         ) -> None:
     with live_process_server(tiny_llama) as (url, engine, _):
         r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3},
                        timeout=30)
         assert r.status_code == 200, r.text
         proc = engine._proc
         assert proc is not None and proc.is_alive()
-    assert not proc.is_alive() and proc.exitcode == 0  # it exited on Shutdown, not a kill
+    assert not proc.is_alive()
+    # It exited on Shutdown, not a terminate/kill: shutdown() logs before either. (Its exit
+    # code is not the witness: through the forkserver it reads 255 when the status could
+    # not be read back, which happened 1 CI run in 3 with a clean exit.)
+    assert "terminating it" not in caplog.text
+    assert proc.exitcode in (0, 255), proc.exitcode
