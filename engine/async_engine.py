@@ -13,7 +13,6 @@ never on the event loop.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -23,18 +22,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+from engine.client_side import STUCK_AFTER_S, ClientSide
 from engine.config import EngineConfig
 from engine.drain import DrainRate
 from engine.llm_engine import LLMEngine
 from engine.outputs import ErrorCode, RequestOutput
 from engine.protocol import (
-    ChatTemplateArgs,
     EngineDeadError,
-    EngineLimits,
-    EngineStats,
     RequestStream,
 )
 from engine.structured import GrammarFuture, param_error
@@ -43,11 +39,8 @@ from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.engine")
 
-STUCK_AFTER_S = 120.0  # a step running longer than this makes /health fail
 MAX_CONSECUTIVE_FAILURES = 3  # then the engine is declared dead
 STOP_WAIT_S = 30.0  # shutdown() waits this long for the current step to end
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,33 +63,20 @@ class _Wake:
     """A grammar compile finished: a loop idling on its inbox steps again."""
 
 
-class AsyncEngine:
+class AsyncEngine(ClientSide):
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
                  stuck_after_s: float = STUCK_AFTER_S) -> None:
-        self.config = config
+        super().__init__(config, clock, stuck_after_s)
         self.engine = engine if engine is not None else LLMEngine(config)
-        self.model_name = config.served_model_name or default_model_name(config.model)
-        self._clock = clock  # time.monotonic unless a test drives it
-        self._stuck_after_s = stuck_after_s
         self._inbox: queue.Queue[_Add | _Abort | _Wake | None] = queue.Queue()
         # Event-loop thread only: open streams, and submits waiting for their admission.
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tok_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="pagedserve-tokenizer")
-        self._tokenizer: Tokenizer | None = None  # the tokenizer thread's own copy
-        self._limits: EngineLimits | None = None  # set once loaded
-        self._stats = EngineStats()
-        self._ready = False
-        self._dead: str | None = None  # why the engine can serve no more (load, crash, failures)
-        self._busy_since: float | None = None
-        self._stuck_logged = False
         self._drain = DrainRate()  # engine thread only
         self._looping = threading.Event()  # run_step_loop() was called
         self._loaded = threading.Event()  # the model is loaded (or failed to)
-        self._stopped = threading.Event()  # the step loop has ended (or never will run)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -154,17 +134,6 @@ class AsyncEngine:
         self._stopped.set()  # also when the loop never ran: no more tokenizer work either
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
 
-    def is_ready(self) -> bool:
-        if not self._ready or self._dead or self._stopped.is_set():
-            return False
-        busy = self._busy_since
-        stuck = busy is not None and self._clock() - busy >= self._stuck_after_s
-        if stuck and not self._stuck_logged:
-            self._stuck_logged = True  # once per stuck step: /health is polled often
-            logger.error("engine step running for %.0f s (limit %.0f s): /health answers 503 "
-                         "until it returns", self._clock() - (busy or 0.0), self._stuck_after_s)
-        return not stuck
-
     # ---- requests (event-loop side) -------------------------------------------------------
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -221,45 +190,6 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         self._pending.pop(request_id, None)
         self._inbox.put(_Abort(request_id))
-
-    def _check_alive(self) -> None:
-        if self._dead:
-            raise EngineDeadError(self._dead)
-        if self._stopped.is_set():
-            raise EngineDeadError("the engine loop is not running")
-        if not self._ready:
-            raise EngineDeadError("the engine is not ready (model still loading)")
-
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._on_tokenizer(lambda tok: tok.encode(text, add_special_tokens))
-
-    async def detokenize(self, token_ids: list[int]) -> str:
-        self.engine.check_token_ids("tokens", token_ids)
-        return await self._on_tokenizer(lambda tok: tok.decode(token_ids,
-                                                               skip_special_tokens=False))
-
-    async def apply_chat_template(self, messages: list[dict[str, Any]],
-                                  args: ChatTemplateArgs | None = None) -> str:
-        chat = args if args is not None else ChatTemplateArgs()
-        return await self._on_tokenizer(lambda tok: tok.render_chat(messages, chat))
-
-    async def _on_tokenizer(self, work: Callable[[Tokenizer], T]) -> T:
-        """Run tokenizer work on the tokenizer thread: HF tokenizers release the GIL while
-        they encode, so a 4 MB prompt (3.5 s here) does not stall other streams."""
-        tok = self._tokenizer
-        if tok is None:
-            raise EngineDeadError("the engine is not ready (model still loading)")
-        if self._stopped.is_set():
-            raise EngineDeadError("the engine loop is not running")
-        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, work, tok)
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    @property
-    def limits(self) -> EngineLimits | None:
-        """The engine's limits once the model is loaded; None before."""
-        return self._limits
 
     # ---- the engine thread ----------------------------------------------------------------
 
@@ -376,11 +306,3 @@ class AsyncEngine:
             stream.put(error)
         self._pending.clear()
         self._streams.clear()
-
-
-def default_model_name(model: str | None) -> str:
-    """The id served in /v1/models when --served-model-name is not given."""
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    p = Path(model)
-    return p.stem if p.suffix == ".gguf" else (p.name if p.exists() else model)

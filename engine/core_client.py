@@ -14,7 +14,6 @@ raises EngineDeadError and new requests are refused (503), as when the thread's 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import multiprocessing
 import pickle
@@ -23,9 +22,10 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, TypeVar
+from typing import Any
 
-from engine.async_engine import STOP_WAIT_S, STUCK_AFTER_S, default_model_name
+from engine.async_engine import STOP_WAIT_S
+from engine.client_side import STUCK_AFTER_S, ClientSide
 from engine.config import EngineConfig
 from engine.core_messages import (
     AbortRequest,
@@ -45,14 +45,10 @@ from engine.core_messages import (
 )
 from engine.core_proc import run_engine_core
 from engine.protocol import (
-    ChatTemplateArgs,
     EngineDeadError,
-    EngineLimits,
-    EngineStats,
     RequestStream,
 )
 from engine.tokenizer import Tokenizer
-from scheduler.errors import InvalidParamError
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.engine")
@@ -66,16 +62,12 @@ KILL_WAIT_S = 5.0  # after STOP_WAIT_S without an exit, terminate; then this lon
 PRELOAD = ["engine.core_proc", "transformers.modeling_utils",
            "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama"]
 
-T = TypeVar("T")
 
 
-class EngineCoreClient:
+class EngineCoreClient(ClientSide):
     def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic,
                  stuck_after_s: float = STUCK_AFTER_S) -> None:
-        self.config = config
-        self.model_name = config.served_model_name or default_model_name(config.model)
-        self._clock = clock
-        self._stuck_after_s = stuck_after_s
+        super().__init__(config, clock, stuck_after_s)
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only, as _pending
         self._pending: dict[str, asyncio.Future[None]] = {}
         self._grammars: dict[str, asyncio.Future[None]] = {}
@@ -83,18 +75,8 @@ class EngineCoreClient:
         self._proc: BaseProcess | None = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
-        self._tok_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="pagedserve-tokenizer")
-        self._tokenizer: Tokenizer | None = None
-        self._limits: EngineLimits | None = None
-        self._stats = EngineStats()
-        self._ready = False
-        self._dead: str | None = None
-        self._busy_since: float | None = None
-        self._stuck_logged = False
         self._closing = False  # shutdown() began: the pipe's end is expected
-        self._loaded = asyncio.Event()
-        self._stopped = threading.Event()  # the core process is gone (or never ran)
+        self._loaded = asyncio.Event()  # _stopped (ClientSide): the core process is gone
         self._stop_requested = threading.Event()
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -154,17 +136,6 @@ class EngineCoreClient:
             proc.kill()
             proc.join(KILL_WAIT_S)
 
-    def is_ready(self) -> bool:
-        if not self._ready or self._dead or self._stopped.is_set():
-            return False
-        busy = self._busy_since
-        stuck = busy is not None and self._clock() - busy >= self._stuck_after_s
-        if stuck and not self._stuck_logged:
-            self._stuck_logged = True
-            logger.error("engine step running for %.0f s (limit %.0f s): /health answers 503 "
-                         "until it returns", self._clock() - (busy or 0.0), self._stuck_after_s)
-        return not stuck
-
     @property
     def core_pid(self) -> int | None:
         """The core process's id (tests kill it to see the API survive)."""
@@ -205,14 +176,6 @@ class EngineCoreClient:
         if not self._stopped.is_set():
             self._send(AbortRequest(request_id))
 
-    def _check_alive(self) -> None:
-        if self._dead:
-            raise EngineDeadError(self._dead)
-        if self._stopped.is_set():
-            raise EngineDeadError("the engine loop is not running")
-        if not self._ready:
-            raise EngineDeadError("the engine is not ready (model still loading)")
-
     def _send(self, msg: ToCore) -> None:
         conn = self._conn
         if conn is None:
@@ -222,41 +185,6 @@ class EngineCoreClient:
                 conn.send_bytes(encode(msg))
         except OSError:  # the core is gone: the reader thread reports it
             pass
-
-    # ---- tokenizer work (this process's own copy) -----------------------------------------
-
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._on_tokenizer(lambda tok: tok.encode(text, add_special_tokens))
-
-    async def detokenize(self, token_ids: list[int]) -> str:
-        limits = self._limits
-        vocab = limits.vocab_size if limits is not None else 0
-        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-        if limits is not None and bad is not None:
-            raise InvalidParamError("tokens", f"tokens token id {bad} is out of range "
-                                    f"[0, {vocab})")
-        return await self._on_tokenizer(lambda tok: tok.decode(token_ids,
-                                                               skip_special_tokens=False))
-
-    async def apply_chat_template(self, messages: list[dict[str, Any]],
-                                  args: ChatTemplateArgs | None = None) -> str:
-        chat = args if args is not None else ChatTemplateArgs()
-        return await self._on_tokenizer(lambda tok: tok.render_chat(messages, chat))
-
-    async def _on_tokenizer(self, work: Callable[[Tokenizer], T]) -> T:
-        tok = self._tokenizer
-        if tok is None:
-            raise EngineDeadError("the engine is not ready (model still loading)")
-        if self._stopped.is_set():
-            raise EngineDeadError("the engine loop is not running")
-        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, work, tok)
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    @property
-    def limits(self) -> EngineLimits | None:
-        return self._limits
 
     # ---- the reader thread and the event-loop side of its messages ------------------------
 

@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.grammar_tracker import GrammarTracker
 from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, RequestOutput, TokenLogprobs
-from engine.protocol import EngineLimits, EngineStats, InvalidParamError
+from engine.protocol import EngineLimits, EngineStats, InvalidParamError, check_token_ids
 from engine.request_outputs import (
     RequestState,
     collect_prompt_logprobs,
@@ -165,10 +165,7 @@ class LLMEngine:
 
     def check_token_ids(self, field: str, ids: Iterable[int]) -> None:
         """Token ids must exist in the model (InvalidParamError naming `field`)."""
-        vocab = self.limits.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidParamError(field, f"{field} token id {bad} is out of range [0, {vocab})")
+        check_token_ids(field, ids, self.limits.vocab_size)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort in any state; returns the final (abort) delta, None if unknown or done."""

@@ -11,7 +11,7 @@ Torch-free on purpose: importing this module must not load torch or transformers
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +38,14 @@ __all__ = [
     "SchedulerError",
     "StructuredOutputsParams",
 ]
+
+
+def check_token_ids(field: str, ids: Iterable[int], vocab_size: int) -> None:
+    """Token ids must exist in the model (InvalidParamError naming `field`)."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidParamError(field, f"{field} token id {bad} is out of range "
+                                f"[0, {vocab_size})")
 
 
 class EngineDeadError(Exception):
