@@ -62,8 +62,8 @@ def int8_from_q8_0(raw: np.ndarray, k: int) -> Int8Weight:
 def read_native(gguf_path: Path, model: Any) -> dict[str, Int4Weight | Int8Weight]:
     """HF parameter name -> the file's quantized weight, for every 2-D Q4_0/Q4_1/Q8_0 tensor.
     Parsing the GGUF (its vocabulary above all) takes seconds: the result is cached on disk
-    next to the converted safetensors folder."""
-    cache = gguf_cache_dir(gguf_path) / "native-weights.safetensors"
+    in a subfolder of the converted safetensors folder."""
+    cache = native_cache(gguf_path)
     if cache.is_file():
         return _load_cache(cache)
     weights = _read(gguf_path, model)
@@ -72,6 +72,20 @@ def read_native(gguf_path: Path, model: Any) -> dict[str, Int4Weight | Int8Weigh
     _save_cache(weights, tmp)
     tmp.replace(cache)  # atomic: a crash never leaves half a cache
     return weights
+
+
+def native_cache(gguf_path: Path) -> Path:
+    """Where read_native keeps its cache: NOT beside model.safetensors, because other loaders
+    (vLLM's above all, which the benchmarks point at the converted folder) load every
+    top-level *.safetensors of a checkpoint folder. A cache an earlier version left there is
+    moved."""
+    folder = gguf_cache_dir(gguf_path)
+    cache = folder / "native" / "weights.safetensors"
+    legacy = folder / "native-weights.safetensors"
+    if legacy.is_file():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        legacy.replace(cache)
+    return cache
 
 
 def _read(gguf_path: Path, model: Any) -> dict[str, Int4Weight | Int8Weight]:

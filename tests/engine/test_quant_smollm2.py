@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.loader import LoadedModel, converted_gguf, embedded_gguf, load_model
 from engine.quant import quantize_model
-from engine.quant_gguf import read_native
+from engine.quant_gguf import native_cache, read_native
 from engine.quant_linear import Int4Linear, Int8Linear
 from engine.quant_pack import Int4Weight, quantize_int4
 from scheduler.config import SchedulerConfig
@@ -34,6 +34,14 @@ def dense() -> LoadedModel:
 @pytest.fixture(scope="module")
 def native(dense: LoadedModel) -> dict[str, Any]:
     return read_native(embedded_gguf(), dense.model)
+
+
+def test_the_converted_folder_stays_a_plain_checkpoint(native: dict[str, Any]) -> None:
+    # vLLM (benchmarks/baselines) and HF load every top-level *.safetensors of the folder:
+    # the native-weights cache must live elsewhere, or vLLM refuses the folder.
+    folder = converted_gguf(embedded_gguf())
+    assert sorted(p.name for p in folder.glob("*.safetensors")) == ["model.safetensors"]
+    assert native_cache(embedded_gguf()).is_file()
 
 
 def test_every_q4_1_tensor_held_as_int4_is_exactly_the_converted_weight(

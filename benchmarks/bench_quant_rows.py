@@ -1,0 +1,165 @@
+"""Where the quantized kernels stop paying: the linear work of one step at N token rows,
+quantized kernel against the dense weight, on the loaded model.
+
+A step of N token rows calls every linear of the model once with N rows (the lm_head only
+with the rows that need logits; a decode step needs all of them). For each quantized module
+of `--quantization` (engine/quant.py) and each N, this times the module's int4/int8 kernel
+(`_kernel`, activations cast to the kernel dtype and back, as forward does) and its dense
+copy (`F.linear`), alternating the two in a shuffled order so a shared machine's drift hits
+both alike, and keeps the median. Summed over the modules, that is the part of a step the
+DENSE_ABOVE_ROWS choice (engine/quant.py) decides; the crossover is the smallest N from
+which dense is faster.
+
+    .venv/bin/python -m benchmarks.bench_quant_rows                    # auto (GGUF Q4_1), fp32
+    .venv/bin/python -m benchmarks.bench_quant_rows --quantization int8 --threads 1
+
+Writes benchmarks/results/quant-rows-<machine>-<mode>-<dtype>.json with the machine
+description.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: benchmarks/ is not an installed package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import RESULTS_DIR, machine_info, machine_slug
+
+ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def quant_modules(model: Any) -> list[tuple[str, Any]]:
+    from engine.quant_linear import _QuantLinear
+
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantLinear)]
+    missing = [n for n, m in mods if m.dense is None]
+    if missing:
+        raise SystemExit(f"{len(missing)} quantized modules have no dense copy ({missing[0]}...)")
+    return mods
+
+
+def kernel_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def call() -> torch.Tensor:
+        return mod._kernel(x.to(mod.kernel_dtype)).to(x.dtype)
+    return call
+
+
+def dense_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: F.linear(x, mod.dense, mod.bias)
+
+
+def time_once(fn: Callable[[], torch.Tensor]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def group(name: str) -> str:
+    """The module's kind without its layer: model.layers.3.mlp.up_proj -> mlp.up_proj."""
+    parts = name.split(".")
+    return ".".join(parts[3:]) if parts[:2] == ["model", "layers"] else name
+
+
+def measure(mods: list[tuple[str, Any]], rows: tuple[int, ...], repeats: int,
+            seed: int) -> dict[int, dict[str, dict[str, float]]]:
+    """{N: {group: {"kernel": s, "dense": s}}}: per N and module kind, the sum over its
+    modules of each path's median; group "all" sums every module."""
+    from tqdm import tqdm
+
+    rng = random.Random(seed)
+    samples: dict[tuple[int, str, str], list[float]] = {}
+    jobs = [(n, name, mod) for n in rows for name, mod in mods]
+    with torch.inference_mode():
+        for _ in tqdm(range(repeats), desc="rounds", unit="round"):
+            rng.shuffle(jobs)
+            for n, name, mod in jobs:
+                x = torch.randn(n, mod.in_features, dtype=mod.dense.dtype)
+                pair = [("kernel", kernel_call(mod, x)), ("dense", dense_call(mod, x))]
+                rng.shuffle(pair)
+                for path, fn in pair:
+                    fn()  # warm: the first call of a shape may allocate
+                    samples.setdefault((n, name, path), []).append(time_once(fn))
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    for n in rows:
+        out[n] = {}
+        for name, _ in mods:
+            for g in ("all", group(name)):
+                acc = out[n].setdefault(g, {"kernel": 0.0, "dense": 0.0})
+                for path in acc:
+                    acc[path] += statistics.median(samples[(n, name, path)])
+    return out
+
+
+def crossover(per_rows: dict[int, dict[str, float]]) -> int | None:
+    """Smallest N from which dense is faster at every larger N measured."""
+    ns = sorted(per_rows)
+    for i, n in enumerate(ns):
+        if all(per_rows[m]["dense"] < per_rows[m]["kernel"] for m in ns[i:]):
+            return n
+    return None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M (Q4_1 GGUF)")
+    p.add_argument("--quantization", default="auto", choices=("auto", "int8", "int4"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the server's, cores - 1)")
+    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import os
+
+    from engine.loader import load_model
+
+    args = parse_args(argv)
+    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    torch.set_num_threads(threads)
+    loaded = load_model(args.model, device="cpu", dtype=args.dtype, quantization=args.quantization)
+    mods = quant_modules(loaded.model)
+    per_rows = measure(mods, tuple(args.rows), args.repeats, args.seed)
+    cross = crossover({n: v["all"] for n, v in per_rows.items()})
+    print(f"{len(mods)} quantized linears, {args.dtype}, {threads} thread(s); ms per step")
+    groups = list(next(iter(per_rows.values())))
+    for g in groups:
+        print(f"\n{g}: {'rows':>5} {'kernel':>9} {'dense':>9} {'dense/kernel':>13}")
+        for n, v in per_rows.items():
+            k, d = v[g]["kernel"], v[g]["dense"]
+            print(f"{'':{len(g) + 2}}{n:>5} {k * 1e3:>9.2f} {d * 1e3:>9.2f} {d / k:>12.2f}x")
+        print(f"{'':{len(g) + 2}}crossover: {crossover({n: v[g] for n, v in per_rows.items()})}")
+    print(f"\ncrossover of the whole step (dense faster from here on): {cross} rows")
+    machine = machine_info() | {"load_avg_at_end": os.getloadavg()}
+    data = {"benchmark": "quant_rows", "args": vars(args) | {"out": str(args.out)},
+            "threads": threads, "modules": len(mods), "machine": machine,
+            "ms": {n: {g: {k: s * 1e3 for k, s in t.items()} for g, t in v.items()}
+                   for n, v in per_rows.items()},
+            "crossover_rows": cross,
+            "crossover_rows_by_group": {g: crossover({n: v[g] for n, v in per_rows.items()})
+                                        for g in next(iter(per_rows.values()))}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"quant-rows-{machine_slug(machine)}-{args.quantization}-{args.dtype}.json"
+    path.write_text(json.dumps(data, indent=2))
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
