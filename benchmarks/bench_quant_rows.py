@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -127,8 +128,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import os
-
     from engine.loader import load_model
 
     args = parse_args(argv)
@@ -137,24 +136,22 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model(args.model, device="cpu", dtype=args.dtype, quantization=args.quantization)
     mods = quant_modules(loaded.model)
     per_rows = measure(mods, tuple(args.rows), args.repeats, args.seed)
-    cross = crossover({n: v["all"] for n, v in per_rows.items()})
+    crossovers = {g: crossover({n: v[g] for n, v in per_rows.items()})
+                  for g in next(iter(per_rows.values()))}
     print(f"{len(mods)} quantized linears, {args.dtype}, {threads} thread(s); ms per step")
-    groups = list(next(iter(per_rows.values())))
-    for g in groups:
+    for g, cross in crossovers.items():
         print(f"\n{g}: {'rows':>5} {'kernel':>9} {'dense':>9} {'dense/kernel':>13}")
         for n, v in per_rows.items():
             k, d = v[g]["kernel"], v[g]["dense"]
             print(f"{'':{len(g) + 2}}{n:>5} {k * 1e3:>9.2f} {d * 1e3:>9.2f} {d / k:>12.2f}x")
-        print(f"{'':{len(g) + 2}}crossover: {crossover({n: v[g] for n, v in per_rows.items()})}")
-    print(f"\ncrossover of the whole step (dense faster from here on): {cross} rows")
+        print(f"{'':{len(g) + 2}}crossover: {cross}")
+    print(f"\ncrossover of the whole step (dense faster from here on): {crossovers['all']} rows")
     machine = machine_info() | {"load_avg_at_end": os.getloadavg()}
     data = {"benchmark": "quant_rows", "args": vars(args) | {"out": str(args.out)},
             "threads": threads, "modules": len(mods), "machine": machine,
             "ms": {n: {g: {k: s * 1e3 for k, s in t.items()} for g, t in v.items()}
                    for n, v in per_rows.items()},
-            "crossover_rows": cross,
-            "crossover_rows_by_group": {g: crossover({n: v[g] for n, v in per_rows.items()})
-                                        for g in next(iter(per_rows.values()))}}
+            "crossover_rows": crossovers["all"], "crossover_rows_by_group": crossovers}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"quant-rows-{machine_slug(machine)}-{args.quantization}-{args.dtype}.json"
     path.write_text(json.dumps(data, indent=2))
