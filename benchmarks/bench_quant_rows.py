@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default="auto", choices=("auto", "int8", "int4"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: the server's, cores - 1)")
+                   help="torch threads (default: what `pagedserve serve` uses, every usable core)")
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
@@ -128,10 +128,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from api.cli import serving_threads
     from engine.loader import load_model
 
     args = parse_args(argv)
-    threads = args.threads or max(1, (os.cpu_count() or 2) - 1)
+    threads = args.threads or serving_threads()
     torch.set_num_threads(threads)
     loaded = load_model(args.model, device="cpu", dtype=args.dtype, quantization=args.quantization)
     mods = quant_modules(loaded.model)
