@@ -28,6 +28,7 @@ from api.metrics import DEFAULT_PREFIX, check_prefix
 from api.replicas.options import ReplicaOptions, add_replica_flags, replica_options
 from api.server import DEFAULT_SHUTDOWN_TIMEOUT_S, GracefulServer
 from api.state import DEFAULT_MAX_BODY_BYTES
+from engine.config import ATTENTION_BACKENDS
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -49,6 +50,12 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
                        ("weights: auto (a GGUF keeps its Q4/Q8 weights, safetensors stays "
                         "dense) | none (dense) | int8 | int4 (quantized at load) (default: "
                         "auto)")),
+    "--attention-backend": ("attention_backend", str,
+                            ("decode attention on the CPU: auto (our C++ paged-decode kernel, "
+                             "built with g++ on first start and cached; the torch path if it "
+                             "cannot be built) | torch (gather the blocks, two bmm); other "
+                             "devices always use torch; see docs/performance.md (default: "
+                             "auto)")),
     "--block-size": ("block_size", int, f"tokens per KV block ({PRESET}, else 16)"),
     "--num-kv-blocks": ("num_kv_blocks", int,
                         ("KV pool size in blocks; wins over --kv-cache-memory (default: sized "
@@ -140,6 +147,8 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
             extra["choices"] = ["auto", "float32", "bfloat16", "float16"]
         if flag == "--quantization":
             extra["choices"] = ["auto", "none", "int8", "int4"]
+        if flag == "--attention-backend":
+            extra["choices"] = list(ATTENTION_BACKENDS)
         p.add_argument(flag, type=kind, default=None, help=help_, **extra)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help=f"reuse KV blocks of shared prompt prefixes ({PRESET}, "

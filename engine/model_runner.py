@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import attention, batch_invariant
+from engine import attention, batch_invariant, cpu_kernels
 from engine.attention import AttentionMetadata, build_metadata
 from engine.compile import CompiledForward, use_cache_dir, wants_compile
 from engine.config import EngineConfig
@@ -102,13 +102,19 @@ class ModelRunner:
         self.model_display_name = facts.display_name
         self.max_model_len = min(self.config.scheduler.max_model_len,
                                  facts.max_position_embeddings, self._sliding_window_cap())
+        # Decode attention through our C++ kernel where it builds (CPU, fp32/bf16): before
+        # the pool and the warm-up, so both see the step the server will run.
+        self.paged_decode_kernel = (not self.config.batch_invariant and cpu_kernels.
+                                    wants_paged_decode(self.config.attention_backend,
+                                                       self.device, self.dtype))
         self.num_kv_blocks = self._num_blocks()
         self.kv_cache = self._new_pool(self.num_kv_blocks)
         self.sampling = SamplingBatchBuilder(self.vocab_size, self.eos_token_ids,
                                              seed=self.config.seed)
         self._warm_up()
-        log.info("model %s on %s (%s): %d KV blocks of %d tokens", self.model_display_name,
-                 self.device, self.dtype, self.num_kv_blocks, self.block_size)
+        log.info("model %s on %s (%s): %d KV blocks of %d tokens; decode attention: %s",
+                 self.model_display_name, self.device, self.dtype, self.num_kv_blocks,
+                 self.block_size, "C++ kernel" if self.paged_decode_kernel else "torch")
 
     def _sliding_window_cap(self) -> int:
         """Our attention is always full: on a sliding-window model (Mistral v0.1) it is only
@@ -200,7 +206,7 @@ class ModelRunner:
         slots = [(context - 1) % bs] * num_decodes + [p % bs for p in range(num_prefill)]
         prefills = [(num_decodes, num_prefill, 0, table)] if num_prefill else []
         meta = build_metadata(kv_cache, bs, slots, [(table, context)] * num_decodes, prefills,
-                              dev)
+                              dev, paged_decode_kernel=self.paged_decode_kernel)
         n = num_decodes + num_prefill
         positions = [context - 1] * num_decodes + list(range(num_prefill))
         keep = torch.arange(min(n, self.config.scheduler.max_num_seqs), device=dev)
@@ -247,7 +253,8 @@ class ModelRunner:
             position_ids=self._padded(flat.positions),
             metadata=build_metadata(self.kv_cache, self.block_size, flat.slots, flat.decodes,
                                     flat.prefills, dev,
-                                    batch_invariant=self.config.batch_invariant),
+                                    batch_invariant=self.config.batch_invariant,
+                                    paged_decode_kernel=self.paged_decode_kernel),
             keep=to_device(flat.keep, long, dev),
             sample_ids=[seq.seq_id for seq in sampled],
             sample_rows=to_device([r for _, r in sample_rows], long, dev) if sampled else None,

@@ -18,6 +18,7 @@ from benchmarks.fast_step_targets import (
     EAGER,
     HF,
     INT4,
+    TORCH_ATTENTION,
     VLLM,
     Variant,
     all_checks,
@@ -202,7 +203,7 @@ def test_tiny_run_end_to_end(tiny_run: tuple[dict[str, Any], Path]) -> None:
 
 def test_cli_defaults() -> None:
     args = fast_step.parse_args([])
-    assert args.servers == [DEFAULT, EAGER, INT4, VLLM, HF] and args.dtype == "bfloat16"
+    assert args.servers == [DEFAULT, EAGER, INT4, TORCH_ATTENTION, VLLM, HF] and args.dtype == "bfloat16"
     assert not args.make_vllm_venv and fast_step.FULL.concurrencies == (1, 4, 16, 64)
     assert fast_step.FULL.output_range == (128, 128)
     with pytest.raises(SystemExit):

@@ -29,10 +29,11 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int) -
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0].transpose(0, 1)
 
 
-def run_case(specs: list[tuple[int, int]], seed: int,
-             budget: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+def run_case(specs: list[tuple[int, int]], seed: int, budget: int | None = None,
+             kernel: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
     """specs: (already computed c, scheduled n) per sequence; n == 1 sequences are decodes.
-    budget: the decode gather budget in bytes (None: the CPU default). Returns the output."""
+    budget: the decode gather budget in bytes (None: the CPU default); kernel: decodes through
+    the C++ kernel (engine/cpu_kernels.py). Returns the output."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     pool = torch.zeros(LAYERS, 2, NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM)
@@ -70,7 +71,8 @@ def run_case(specs: list[tuple[int, int]], seed: int,
         ks.append(full_k[i][:, c:])
         vs.append(full_v[i][:, c:])
     meta = build_metadata(pool, BLOCK, slots, decodes, prefills, torch.device("cpu"),
-                          gather_budget=budget)
+                          gather_budget=budget, paged_decode_kernel=kernel)
+    assert (meta.decode_tables is not None) == (kernel and bool(decodes))
     q, k, v = torch.cat(qs, 1)[None], torch.cat(ks, 1)[None], torch.cat(vs, 1)[None]
     out, _ = paged_attention(SimpleNamespace(layer_idx=layer),  # type: ignore[arg-type]
                              q, k, v, None,
@@ -88,24 +90,39 @@ def run_case(specs: list[tuple[int, int]], seed: int,
     return out, meta
 
 
+def _kernel_or_skip(kernel: bool) -> bool:
+    if kernel:
+        from engine import cpu_kernels
+
+        if not cpu_kernels.paged_decode_available():
+            pytest.skip("the CPU paged-decode kernel did not build here (no g++?)")
+    return kernel
+
+
+BACKENDS = pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+
+
+@BACKENDS
 @pytest.mark.parametrize("seed", range(4))
-def test_mixed_decodes_and_prefill_chunks_match_dense(seed: int) -> None:
+def test_mixed_decodes_and_prefill_chunks_match_dense(seed: int, kernel: bool) -> None:
     rng = random.Random(seed)
     specs = [(rng.randint(0, 30), 1) for _ in range(5)]  # decodes (c == 0 included)
     specs += [(0, rng.randint(2, 12)), (rng.randint(1, 20), rng.randint(2, 9))]  # prefills
     rng.shuffle(specs)
-    run_case(specs, seed)
+    run_case(specs, seed, kernel=_kernel_or_skip(kernel))
 
 
-def test_only_decodes_and_only_prefills() -> None:
-    run_case([(7, 1), (0, 1), (15, 1)], seed=10)
-    run_case([(0, 5), (3, 4)], seed=11)
+@BACKENDS
+def test_only_decodes_and_only_prefills(kernel: bool) -> None:
+    run_case([(7, 1), (0, 1), (15, 1)], seed=10, kernel=_kernel_or_skip(kernel))
+    run_case([(0, 5), (3, 4)], seed=11, kernel=kernel)
 
 
-def test_decode_block_padding_is_masked() -> None:
+@BACKENDS
+def test_decode_block_padding_is_masked(kernel: bool) -> None:
     # One long and one short context: the short one's padded table points at block 0,
     # which holds another sequence's data that must not leak in.
-    run_case([(37, 1), (2, 1)], seed=12)
+    run_case([(37, 1), (2, 1)], seed=12, kernel=_kernel_or_skip(kernel))
 
 
 BLOCK_BYTES = 2 * KV_HEADS * BLOCK * HEAD_DIM * 4  # K + V of one block, fp32

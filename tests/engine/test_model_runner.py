@@ -114,6 +114,7 @@ def test_worst_decode_step_runs_grouped(llama_runner: ModelRunner,
         return meta
 
     monkeypatch.setattr("engine.model_runner.build_metadata", spy)
+    monkeypatch.setattr(llama_runner, "paged_decode_kernel", False)  # the torch path groups
     one_seq = 2 * 2 * 256 * 16 * 4  # K + V, kvH, tokens, hd, fp32
     monkeypatch.setitem(attention.DECODE_GATHER_BYTES, "cpu", one_seq)
     llama_runner._worst_decode_step()

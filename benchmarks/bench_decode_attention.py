@@ -1,0 +1,136 @@
+"""Decode attention alone: the CPU kernel (engine/csrc/paged_decode.cpp) against the torch path
+(gather + two bmm, engine/attention.py), on one layer of a paged pool, model shapes.
+
+For each dtype, number of decodes D and context length, both paths attend the same D queries
+over the same pool through `engine.attention.attend` (metadata built as the runner builds it,
+block tables shuffled over the pool as a long-running server's are), alternating in a shuffled
+order; the median of `--repeats` calls is kept, and the ratio torch / kernel is reported.
+A 30-layer model pays this 30 times a step.
+
+    .venv/bin/python -m benchmarks.bench_decode_attention                 # SmolLM2-135M shapes
+    .venv/bin/python -m benchmarks.bench_decode_attention --threads 1 --dtypes float32
+
+Writes benchmarks/results/decode-attention-<machine>.json with the machine description.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: benchmarks/ is not an installed package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks.common import RESULTS_DIR, machine_info, machine_slug
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_case(decodes: int, context: int, heads: int, kv_heads: int, head_dim: int,
+              block_size: int, dtype: torch.dtype, paged_kernel: bool,
+              seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """q [H, D, hd], the new k/v [kvH, D, hd] and the metadata of D decodes at `context`."""
+    from engine.attention import build_metadata
+
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-context // block_size)
+    blocks = list(range(decodes * per_seq + 1))
+    random.Random(seed).shuffle(blocks)
+    pool = torch.randn(1, 2, len(blocks), kv_heads, block_size, head_dim, generator=gen).to(dtype)
+    tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(decodes)]
+    slots = [t[(context - 1) // block_size] * block_size + (context - 1) % block_size
+             for t in tables]
+    meta = build_metadata(pool, block_size, slots, [(t, context) for t in tables], [],
+                          torch.device("cpu"), paged_decode_kernel=paged_kernel)
+    q = torch.randn(heads, decodes, head_dim, generator=gen).to(dtype)
+    kv = torch.randn(2, kv_heads, decodes, head_dim, generator=gen).to(dtype)
+    return q, kv[0], kv[1], meta
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    from engine.attention import attend
+
+    rng = random.Random(args.seed)
+    rows = []
+    cases = [(dt, d, c) for dt in args.dtypes for d in args.decodes for c in args.contexts]
+    with torch.inference_mode():
+        for dt, d, c in tqdm(cases, desc="cases", unit="case"):
+            calls = {}
+            for name, kernel in (("kernel", True), ("torch", False)):
+                q, k, v, meta = make_case(d, c, args.heads, args.kv_heads, args.head_dim,
+                                          args.block_size, DTYPES[dt], kernel, args.seed)
+                calls[name] = (lambda q=q, k=k, v=v, meta=meta:
+                               attend(q, k, v, 0, args.head_dim ** -0.5, meta))
+            times: dict[str, list[float]] = {"kernel": [], "torch": []}
+            outs = {name: fn() for name, fn in calls.items()}  # warm, and compare
+            order = list(calls)
+            for _ in range(args.repeats):
+                rng.shuffle(order)
+                for name in order:
+                    t0 = time.perf_counter()
+                    calls[name]()
+                    times[name].append(time.perf_counter() - t0)
+            kernel_ms = statistics.median(times["kernel"]) * 1e3
+            torch_ms = statistics.median(times["torch"]) * 1e3
+            err = (outs["kernel"].float() - outs["torch"].float()).abs().max().item()
+            rows.append({"dtype": dt, "decodes": d, "context": c, "kernel_ms": kernel_ms,
+                         "torch_ms": torch_ms, "speedup": torch_ms / kernel_ms,
+                         "max_abs_diff": err})
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--decodes", type=int, nargs="+", default=[1, 4, 16, 64],
+                   help="decodes in the step (D)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048],
+                   help="context length of every decode, tokens")
+    p.add_argument("--heads", type=int, default=9, help="query heads (SmolLM2-135M: 9)")
+    p.add_argument("--kv-heads", type=int, default=3, help="KV heads (SmolLM2-135M: 3)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the server's, every usable core)")
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from api.cli import serving_threads
+    from engine import cpu_kernels
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads or serving_threads())
+    if not cpu_kernels.paged_decode_available():
+        raise SystemExit("the CPU paged-decode kernel did not build (see the warning above)")
+    rows = measure(args)
+    print(f"{'dtype':>9} {'D':>4} {'ctx':>5} {'kernel ms':>10} {'torch ms':>9} {'torch/kernel':>13}")
+    for r in rows:
+        print(f"{r['dtype']:>9} {r['decodes']:>4} {r['context']:>5} {r['kernel_ms']:>10.3f} "
+              f"{r['torch_ms']:>9.3f} {r['speedup']:>12.2f}x")
+    info = machine_info()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"decode-attention-{machine_slug(info)}.json"
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    path.write_text(json.dumps({"benchmark": "decode_attention", "args": config,
+                                "threads": torch.get_num_threads(), "machine": info,
+                                "rows": rows}, indent=2))
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The C++ paged-decode kernel (engine/csrc/paged_decode.cpp) against the torch path, at the
+real model's head shapes, and the loader's fallbacks. tests/engine/test_attention.py runs both
+paths against dense SDPA (fp32, 1e-5); the golden tests run it inside the model."""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from api.cli import build_parser, config_overrides
+from engine import cpu_kernels
+from engine.attention import AttentionMetadata, attend, build_metadata
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    if not cpu_kernels.paged_decode_available():
+        pytest.skip("the CPU paged-decode kernel did not build here (no g++?)")
+
+
+def decode_step(contexts: list[int], dtype: torch.dtype, kernel: bool, seed: int = 0,
+                pool: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One layer's decode step: a shuffled pool, one query per context. Returns the pool, the
+    queries [H, D, hd], the new K/V [2, kvH, D, hd] and the metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    need = sum(-(-c // BLOCK) for c in contexts)
+    if pool is None:
+        pool = torch.randn(1, 2, need + 3, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(dtype)
+    blocks = list(range(pool.shape[2]))
+    random.Random(seed).shuffle(blocks)
+    tables, slots = [], []
+    for c in contexts:
+        table = [blocks.pop() for _ in range(-(-c // BLOCK))]
+        tables.append(table)
+        slots.append(table[(c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK)
+    meta = build_metadata(pool, BLOCK, slots, list(zip(tables, contexts)), [],
+                          torch.device("cpu"), paged_decode_kernel=kernel)
+    q = torch.randn(HEADS, len(contexts), HEAD_DIM, generator=gen).to(dtype)
+    kv = torch.randn(2, KV_HEADS, len(contexts), HEAD_DIM, generator=gen).to(dtype)
+    return pool, q, kv, meta
+
+
+def run(contexts: list[int], dtype: torch.dtype, kernel: bool, seed: int = 0) -> torch.Tensor:
+    _, q, kv, meta = decode_step(contexts, dtype, kernel, seed)
+    with torch.inference_mode():
+        return attend(q, kv[0], kv[1], 0, HEAD_DIM ** -0.5, meta)
+
+
+def reference(contexts: list[int], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Float64 attention over the same (dtype-rounded) inputs, per sequence."""
+    pool, q, kv, meta = decode_step(contexts, dtype, False, seed)
+    assert meta.decode_groups
+    with torch.inference_mode():
+        attend(q, kv[0], kv[1], 0, 1.0, meta)  # writes the new K/V into the pool
+    assert meta.decode_tables is None
+    k_pool, v_pool = pool[0].double()
+    outs = []
+    for i, c in enumerate(contexts):
+        rows = [b for b in _table(meta, i)][:-(-c // BLOCK)]
+        k = k_pool[rows].transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM)[:, :c]
+        v = v_pool[rows].transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM)[:, :c]
+        k, v = k.repeat_interleave(HEADS // KV_HEADS, 0), v.repeat_interleave(HEADS // KV_HEADS, 0)
+        scores = (q[:, i:i + 1].double() @ k.transpose(1, 2)) * HEAD_DIM ** -0.5
+        outs.append((scores.softmax(-1) @ v)[:, 0])
+    return torch.stack(outs)  # [D, H, hd]
+
+
+def _table(meta: AttentionMetadata, i: int) -> list[int]:
+    """Sequence i's blocks, recovered from its decode group's pool rows."""
+    for g in meta.decode_groups:
+        if g.start <= i < g.end:
+            rows = g.rows.view(g.end - g.start, KV_HEADS, -1)[i - g.start, 0]
+            return (rows // KV_HEADS).tolist()
+    raise AssertionError(i)
+
+
+CONTEXTS = [1, 15, 16, 17, 100, 333, 40, 2]  # block edges, a single token, long and short
+
+
+def test_float32_matches_the_torch_path() -> None:
+    torch.testing.assert_close(run(CONTEXTS, torch.float32, True),
+                               run(CONTEXTS, torch.float32, False), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_is_at_least_as_close_to_float64_as_the_torch_path() -> None:
+    """The torch path rounds the probabilities to bf16 before P @ V; the kernel keeps fp32."""
+    ref = reference(CONTEXTS, 0, torch.bfloat16)
+    kernel_err = (run(CONTEXTS, torch.bfloat16, True).double() - ref).abs().max().item()
+    torch_err = (run(CONTEXTS, torch.bfloat16, False).double() - ref).abs().max().item()
+    assert kernel_err <= torch_err, (kernel_err, torch_err)
+    assert kernel_err < 1e-2
+
+
+def test_a_sequence_gets_the_same_bits_alone_in_a_batch_and_on_any_thread_count() -> None:
+    """Each (sequence, kv head) is one sequential task: nothing in its arithmetic depends on
+    the rest of the step or on how the tasks are spread over threads."""
+    contexts = [333, 5, 90, 17, 250, 64, 1, 128, 31, 200, 77, 160]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = run(contexts, torch.bfloat16, True)
+        torch.set_num_threads(1)
+        assert torch.equal(run(contexts, torch.bfloat16, True), batch)
+    finally:
+        torch.set_num_threads(threads)
+    pool, q, kv, meta = decode_step(contexts, torch.bfloat16, True)
+    with torch.inference_mode():
+        attend(q, kv[0], kv[1], 0, HEAD_DIM ** -0.5, meta)  # the pool now holds the new K/V
+        for i in (0, 6, 11):
+            assert meta.decode_tables is not None and meta.decode_lens is not None
+            alone = torch.ops.pagedserve_cpu.paged_decode(
+                q[:, i:i + 1].transpose(0, 1).contiguous(), pool[0, 0], pool[0, 1],
+                meta.decode_tables[i:i + 1], meta.decode_lens[i:i + 1], HEAD_DIM ** -0.5)
+            assert torch.equal(alone[0], batch[i])
+
+
+def test_bad_tables_raise_instead_of_reading_outside_the_pool() -> None:
+    pool = torch.zeros(4, KV_HEADS, BLOCK, HEAD_DIM)
+    q = torch.zeros(1, HEADS, HEAD_DIM)
+    op = torch.ops.pagedserve_cpu.paged_decode
+    for table, length, message in (([[4]], 3, "block index"), ([[-1]], 3, "block index"),
+                                   ([[0]], 17, "context length"), ([[0]], 0, "context length")):
+        with pytest.raises(RuntimeError, match=message):
+            op(q, pool, pool, torch.tensor(table), torch.tensor([length]), 1.0)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(q.half(), pool.half(), pool.half(), torch.tensor([[0]]), torch.tensor([1]), 1.0)
+
+
+def test_backend_choice() -> None:
+    cpu = torch.device("cpu")
+    assert cpu_kernels.wants_paged_decode("auto", cpu, torch.bfloat16)
+    assert cpu_kernels.wants_paged_decode("auto", cpu, torch.float32)
+    assert not cpu_kernels.wants_paged_decode("auto", cpu, torch.float16)
+    assert not cpu_kernels.wants_paged_decode("auto", torch.device("cuda"), torch.bfloat16)
+    assert not cpu_kernels.wants_paged_decode("torch", cpu, torch.float32)
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch"):
+        EngineConfig(attention_backend="flash")
+
+
+def test_the_flag_reaches_the_runner(llama_runner: ModelRunner) -> None:
+    """The tiny test runner decodes through the kernel (auto); --attention-backend torch
+    is an engine field the CLI fills."""
+    assert llama_runner.paged_decode_kernel
+    args = build_parser().parse_args(["serve", "--attention-backend", "torch"])
+    assert config_overrides(args)["attention_backend"] == "torch"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--attention-backend", "flash"])
+
+
+def test_a_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(cpu_kernels, "_loaded", None)  # as in a process that never loaded it
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))  # nothing cached: it must build
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    cpu_kernels._load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+            assert not cpu_kernels.paged_decode_available()
+            assert not cpu_kernels.wants_paged_decode("auto", torch.device("cpu"), torch.float32)
+        assert len(caplog.records) == 1, caplog.records  # cached: asked twice, warned once
+        assert "using the torch path: false failed" in caplog.records[0].message
+    finally:
+        cpu_kernels._load.cache_clear()  # the next caller finds the loaded library again
+
+
+def test_loading_the_kernel_keeps_subnormals() -> None:
+    """A library linked with -ffast-math turns on flush-to-zero for the whole process when it
+    loads; ours is compiled with it but linked without. Checked in a fresh process, after the
+    load, in Python floats (SSE doubles) and in torch."""
+    script = ("import torch; from engine import cpu_kernels as c; assert c.paged_decode_available();"
+              "x = float.fromhex('0x1p-1070'); assert x * 1.0 > 0, 'DAZ/FTZ on';"
+              "t = torch.tensor([1e-40]) * 2; assert t.item() > 0, 'torch flushes';print('ok')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=120, check=False)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_cached_build_is_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = cpu_kernels._build()
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert cpu_kernels._build() == first
+    assert first.name.startswith("paged_decode-") and first.suffix == ".so"
