@@ -21,18 +21,19 @@ def print_report(data: dict[str, Any]) -> None:
     rows = data["summary"]
     loads = [k[:-6] for k in (rows[0] if rows else {}) if k.endswith("_tok_s")]
     print(f"\n=== issue 9 targets, {data['dtype']}{' (quick)' if data['quick'] else ''} ===")
-    head = f"{'server':<18}{'status':<15}{'start s':>9}{'c1 ITL p50':>12}{'c1 TTFT p50':>13}"
+    w = max([len(HF), *(len(r["server"]) for r in rows)]) + 2  # the server column fits every name
+    head = f"{'server':<{w}}{'status':<15}{'start s':>9}{'c1 ITL p50':>12}{'c1 TTFT p50':>13}"
     print(head + "".join(f"{load + ' tok/s':>12}" for load in loads))
     for r in rows:
-        print(f"{r['server']:<18}{r['status']:<15}{_fmt(r['ready_s'], '{:.1f}'):>9}"
+        print(f"{r['server']:<{w}}{r['status']:<15}{_fmt(r['ready_s'], '{:.1f}'):>9}"
               f"{_fmt(r['c1_itl_p50_ms'], '{:.1f}'):>12}{_fmt(r['c1_ttft_p50_ms'], '{:.0f}'):>13}"
               + "".join(f"{_fmt(r[f'{load}_tok_s'], '{:.1f}'):>12}" for load in loads))
     hf = data["hf_generate"]
     if hf.get("status") == "ok":
-        print(f"{HF:<18}{'ok':<15}{'':>9}{hf['ms_per_token']:>12.1f}{hf['first_token_ms']:>13.0f}"
+        print(f"{HF:<{w}}{'ok':<15}{'':>9}{hf['ms_per_token']:>12.1f}{hf['first_token_ms']:>13.0f}"
               "   (ms per token, one request at a time)")
     else:
-        print(f"{HF:<18}{hf.get('status', '-'):<15} {hf.get('reason', '')}")
+        print(f"{HF:<{w}}{hf.get('status', '-'):<15} {hf.get('reason', '')}")
     for name, rec in data["servers"].items():
         if rec.get("status", "ok") != "ok":
             print(f"  {name}: {rec['status']}: {rec.get('reason', '')}")
