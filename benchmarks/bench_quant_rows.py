@@ -5,7 +5,7 @@ A step of N token rows calls every linear of the model once with N rows (the lm_
 with the rows that need logits; a decode step needs all of them). For each quantized module
 of `--quantization` (engine/quant.py) and each N, this times the module's int4/int8 kernel
 (`_kernel`, activations cast to the kernel dtype and back, as forward does) and its dense
-copy (`F.linear`), alternating the two in a shuffled order so a shared machine's drift hits
+copy (its `dense` module: oneDNN-packed in bf16, engine/packed_linear.py), alternating the two in a shuffled order so a shared machine's drift hits
 both alike, and keeps the median. Summed over the modules, that is the part of a step the
 DENSE_ABOVE_ROWS choice (engine/quant.py) decides; the crossover is the smallest N from
 which dense is faster.
@@ -34,7 +34,6 @@ if __package__ in (None, ""):  # run as a script: benchmarks/ is not an installe
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.common import RESULTS_DIR, machine_info, machine_slug
 
@@ -58,7 +57,7 @@ def kernel_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 
 def dense_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-    return lambda: F.linear(x, mod.dense, mod.bias)
+    return lambda: mod.dense(x)
 
 
 def time_once(fn: Callable[[], torch.Tensor]) -> float:
@@ -74,7 +73,7 @@ def group(name: str) -> str:
 
 
 def measure(mods: list[tuple[str, Any]], rows: tuple[int, ...], repeats: int,
-            seed: int) -> dict[int, dict[str, dict[str, float]]]:
+            seed: int, dtype: torch.dtype = torch.float32) -> dict[int, dict[str, dict[str, float]]]:
     """{N: {group: {"kernel": s, "dense": s}}}: per N and module kind, the sum over its
     modules of each path's median; group "all" sums every module."""
     from tqdm import tqdm
@@ -86,7 +85,7 @@ def measure(mods: list[tuple[str, Any]], rows: tuple[int, ...], repeats: int,
         for _ in tqdm(range(repeats), desc="rounds", unit="round"):
             rng.shuffle(jobs)
             for n, name, mod in jobs:
-                x = torch.randn(n, mod.in_features, dtype=mod.dense.dtype)
+                x = torch.randn(n, mod.in_features, dtype=dtype)
                 pair = [("kernel", kernel_call(mod, x)), ("dense", dense_call(mod, x))]
                 rng.shuffle(pair)
                 for path, fn in pair:
@@ -136,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(threads)
     loaded = load_model(args.model, device="cpu", dtype=args.dtype, quantization=args.quantization)
     mods = quant_modules(loaded.model)
-    per_rows = measure(mods, tuple(args.rows), args.repeats, args.seed)
+    per_rows = measure(mods, tuple(args.rows), args.repeats, args.seed,
+                       getattr(torch, args.dtype))
     crossovers = {g: crossover({n: v[g] for n, v in per_rows.items()})
                   for g in next(iter(per_rows.values()))}
     print(f"{len(mods)} quantized linears, {args.dtype}, {threads} thread(s); ms per step")

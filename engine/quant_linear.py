@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.quant_pack import Int4Weight, Int8Weight
@@ -33,13 +32,14 @@ class _QuantLinear(nn.Module):
         self.dense_above = dense_above
         self.kernel_dtype = kernel_dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        # A Parameter, not a buffer: a tied weight (the embedding) stays one shared tensor.
-        self.dense = None if dense is None else nn.Parameter(dense.detach(), requires_grad=False)
+        # The dense path is an nn.Linear of its own (engine/packed_linear.py may swap it for
+        # a packed one), sharing the bias and, with tied embeddings, the embedding's table.
+        self.dense = None if dense is None else _dense_linear(dense, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = math.prod(x.shape[:-1])
         if self.dense is not None and rows > self.dense_above:
-            return F.linear(x, self.dense, self.bias)
+            return self.dense(x)
         out = self._kernel(x.reshape(rows, self.in_features).to(self.kernel_dtype))
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
@@ -50,6 +50,16 @@ class _QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         dense = f", dense above {self.dense_above} rows" if self.dense is not None else ""
         return f"in={self.in_features}, out={self.out_features}{dense}"
+
+
+def _dense_linear(weight: torch.Tensor, bias: nn.Parameter | None) -> nn.Linear:
+    n, k = weight.shape
+    linear = nn.Linear(k, n, bias=False, device="meta", dtype=weight.dtype)
+    # A Parameter, not a copy: a tied weight (the embedding) stays one shared tensor.
+    linear.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(
+        weight.detach(), requires_grad=False)
+    linear.register_parameter("bias", bias)
+    return linear
 
 
 class Int4Linear(_QuantLinear):
