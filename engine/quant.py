@@ -10,7 +10,8 @@
   is the most sensitive to 4 bits and (like llama.cpp's Q4 files, which keep it at 6-8 bits).
 
 The embedding lookup always stays dense: it reads a handful of rows per step. With tied
-embeddings the lm_head's dense copy IS the embedding tensor, so it costs nothing.
+embeddings the lm_head's dense copy IS the embedding tensor, so it costs nothing (until
+engine/packed_linear.py packs the dense copies, in bf16 on the CPU: the head's is then its own).
 
 Each quantized module keeps its dense weight for steps of more than DENSE_ABOVE_ROWS token
 rows (engine/quant_linear.py): quantized kernels win while a step reads its weights, dense

@@ -76,6 +76,7 @@ class TiedModel(nn.Module):
 def test_pack_linears_packs_dense_copies_and_a_tied_head(
         caplog: pytest.LogCaptureFixture) -> None:
     model = TiedModel()
+    assert model.proj.dense is not None
     dense_ref = model.proj.dense(torch.ones(6, 64, dtype=torch.bfloat16))
     with caplog.at_level(logging.INFO, logger="engine.packed_linear"):
         assert pack_linears(model) == 2

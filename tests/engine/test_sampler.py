@@ -303,3 +303,17 @@ def test_sampler_logprobs_are_raw_log_softmax() -> None:
     third = found[2]
     assert third is not None and tokens[2] == 1 and third.top_ids == ()
     assert third.logprob == pytest.approx(expected[2, 1].item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_the_first_of_tied_maxima_like_argmax(dtype: torch.dtype) -> None:
+    """_choose takes max(dim).indices (faster than argmax on the CPU): on ties it must give
+    argmax's answer, the first index, or greedy output would drift from HF's."""
+    vocab = 49152  # the real vocabulary size: the CPU reduction splits long rows
+    logits = torch.randint(0, 4, (9, vocab), generator=torch.Generator().manual_seed(0))
+    logits = logits.to(dtype)
+    logits[3, [7, 30000]] = 10.0  # one tie far apart
+    seqs = [make_seq(SamplingParams(temperature=0.0), seq_id=str(i)) for i in range(9)]
+    tokens, _ = make_sampler(vocab)(logits, seqs)
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    assert tokens[3] == 7
