@@ -81,6 +81,9 @@ class AttentionMetadata:
     # (engine/cpu_kernels.py): [D, W] block tables padded with block 0, [D] context lengths.
     decode_tables: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    # decode_tables set and nothing else in the step: each layer is one fused kernel call
+    # (K/V writes and attention, pagedserve_cpu::paged_decode_step).
+    fused_decode: bool = False
 
 
 def build_metadata(
@@ -126,6 +129,7 @@ def build_metadata(
         batch_invariant=invariant,
         decode_tables=tables[0] if tables else None,
         decode_lens=tables[1] if tables else None,
+        fused_decode=tables is not None and not prefills,
     )
 
 
@@ -238,8 +242,25 @@ def paged_attention(
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     if attn_metadata is None:
         return torch.ops.pagedserve.paged_attention(query, key, value, layer, scale), None
-    out = attend(query[0], key[0], value[0], layer, scale, attn_metadata)
-    return out[None], None  # [1, T, H, hd], as HF's sdpa_attention_forward returns
+    # [1, T, H, hd], as HF's sdpa_attention_forward returns
+    return attend_step(query, key, value, layer, scale, attn_metadata), None
+
+
+def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                scale: float, meta: AttentionMetadata) -> torch.Tensor:
+    """One layer of the step: query [1, H, T, hd], key/value [1, kvH, T, hd] -> [1, T, H, hd].
+    T may exceed the metadata's tokens (a compiled bucket's padding): those rows are zero."""
+    if meta.fused_decode:  # decodes only, through the CPU kernel: writes included, one call
+        return torch.ops.pagedserve_cpu.paged_decode_step(
+            query, key, value, meta.kv_cache, layer, meta.write_blocks, meta.write_offsets,
+            meta.decode_tables, meta.decode_lens, scale)
+    real = meta.write_blocks.shape[0]
+    out = attend(query[0, :, :real], key[0, :, :real], value[0, :, :real], layer, scale, meta)
+    if real == query.shape[2]:
+        return out[None]
+    padded = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
+    padded[0, :real] = out
+    return padded
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,

@@ -5,11 +5,14 @@
 // block table, so nothing is copied, nothing is padded and the scores never leave the cache.
 //
 // Built at run time by engine/cpu_kernels.py (g++ -O3 -march=native) and registered as
-// torch.ops.pagedserve_cpu.paged_decode. Each task's arithmetic is sequential in a fixed
-// order, so a sequence's result does not depend on what else is in the batch.
+// torch.ops.pagedserve_cpu.paged_decode, and as paged_decode_step: a decode-only step's
+// whole layer (the new K/V written into the pool, then the attention) in one call. Each
+// task's arithmetic is sequential in a fixed order, so a sequence's result does not depend
+// on what else is in the batch.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -80,14 +83,16 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 }
 
 // One (sequence, kv head): its `group` query heads attend over `ctx` tokens of its blocks.
-// q and out point at those heads' [group, head_dim] rows; buf is the task's scratch.
+// q points at the first of those heads, the next ones q_head_stride elements apart (a [1, H,
+// T, hd] query of the fused step is read in place, whatever its layout); out points at their
+// [group, head_dim] output rows; buf is the task's scratch.
 // HD: the head dim as a compile-time constant (0: read it from s), so the row loops unroll.
 // Block by block: the block's rows are widened to fp32 once, then each query head goes over
 // them (its query, or its running sum, held in registers).
 template <typename T, int64_t HD>
-void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64_t* table,
-                int64_t ctx, int64_t kv_head, const Shape& s, float scale, T* out,
-                std::vector<float>& buf) {
+void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_pool,
+                const int64_t* table, int64_t ctx, int64_t kv_head, const Shape& s, float scale,
+                T* out, std::vector<float>& buf) {
   const int64_t g = s.group, hd = HD ? HD : s.head_dim, bs = s.block_size;
   buf.resize(static_cast<size_t>(2 * g * hd + bs * hd + g * ctx + g));
   float* qf = buf.data();             // [g, hd] scaled queries
@@ -96,8 +101,10 @@ void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64_t* tab
   float* scores = rows + bs * hd;     // [g, ctx]
   float* inv_sum = scores + g * ctx;  // [g]
 
-  const float* qrow = as_float(q, qf, g * hd);
-  for (int64_t i = 0; i < g * hd; ++i) qf[i] = qrow[i] * scale;
+  for (int64_t h = 0; h < g; ++h) {
+    const float* qrow = as_float(q + h * q_head_stride, qf + h * hd, hd);
+    for (int64_t d = 0; d < hd; ++d) qf[h * hd + d] = qrow[d] * scale;
+  }
 
   const int64_t num_blocks = (ctx + bs - 1) / bs, block_bytes = bs * hd * sizeof(T);
   const int64_t head_offset = kv_head * s.head_stride;
@@ -133,19 +140,22 @@ void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64_t* tab
     for (int64_t d = 0; d < hd; ++d) out[h * hd + d] = static_cast<T>(acc[h * hd + d] * inv_sum[h]);
 }
 
+// Where run() reads the queries and writes the output: query head h of sequence i is at
+// q + i * q_seq_stride + h * q_head_stride (its head_dim elements contiguous); the output is
+// [D, H, hd] contiguous from out.
+template <typename T>
+struct Io {
+  const T* q;
+  int64_t q_seq_stride, q_head_stride;
+  T* out;
+};
+
 template <typename T, int64_t HD>
-void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-         const at::Tensor& tables, const at::Tensor& lens, float scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), heads = q.size(1);
-  const Shape s{k_pool.size(1), k_pool.size(2), k_pool.size(3), heads / k_pool.size(1),
-                k_pool.stride(0), k_pool.stride(1)};
+void run(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T* vp,
+         const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale) {
   const int64_t width = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
   int64_t total = 0;
   for (int64_t i = 0; i < num_seqs; ++i) total += lp[i];
   // Small steps run inline: an OpenMP region costs more than a few thousand token rows.
@@ -155,11 +165,45 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
     std::vector<float> buf;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / s.kv_heads, kv_head = task % s.kv_heads;
-      const int64_t first = (seq * heads + kv_head * s.group) * s.head_dim;
-      attend_one<T, HD>(qp + first, kp, vp, tp + seq * width, lp[seq], kv_head, s, scale,
-                    op + first, buf);
+      const T* q = io.q + seq * io.q_seq_stride + kv_head * s.group * io.q_head_stride;
+      T* out = io.out + (seq * heads + kv_head * s.group) * s.head_dim;
+      attend_one<T, HD>(q, io.q_head_stride, kp, vp, tp + seq * width, lp[seq], kv_head, s,
+                        scale, out, buf);
     }
   });
+}
+
+// Checks what the tables make the kernel read (D x W integers): a bad table would read
+// outside the pool.
+void check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens,
+                  int64_t num_seqs, int64_t block_size, int64_t num_blocks) {
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "paged_decode: contiguous block tables and lengths");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "paged_decode: int64 block tables and lengths");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                  context_lens.dim() == 1 && context_lens.size(0) == num_seqs,
+              "paged_decode: one table row and one length per sequence");
+  const int64_t width = block_tables.size(1), bs = block_size;
+  const int64_t* tp = block_tables.data_ptr<int64_t>();
+  const int64_t* lp = context_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * bs, "paged_decode: context length out of range");
+    for (int64_t b = 0; b < (lp[i] + bs - 1) / bs; ++b)
+      TORCH_CHECK(tp[i * width + b] >= 0 && tp[i * width + b] < num_blocks,
+                  "paged_decode: block index out of range");
+  }
+}
+
+// run() with the head dim's template picked: the common head dims get unrolled loops.
+template <typename T>
+void dispatch(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T* vp,
+              const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale) {
+  switch (s.head_dim) {
+    case 64: run<T, 64>(io, num_seqs, heads, kp, vp, s, tables, lens, scale); break;
+    case 128: run<T, 128>(io, num_seqs, heads, kp, vp, s, tables, lens, scale); break;
+    default: run<T, 0>(io, num_seqs, heads, kp, vp, s, tables, lens, scale);
+  }
 }
 
 // q [D, H, hd]; k_pool, v_pool [blocks, kvH, block_size, hd]; block_tables [D, W] int64
@@ -170,47 +214,118 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
                         double scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "paged_decode: q [D, H, hd] and two pools [blocks, kvH, block_size, hd]");
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
-                  block_tables.is_contiguous() && context_lens.is_contiguous(),
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "paged_decode: contiguous inputs");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
               "paged_decode: q and the pools share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
-              "paged_decode: int64 block tables and lengths");
-  const int64_t num_seqs = q.size(0), kv_heads = k_pool.size(1);
-  TORCH_CHECK(q.size(2) == k_pool.size(3) && q.size(1) % kv_heads == 0,
-              "paged_decode: head_dim and GQA grouping");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
-                  context_lens.dim() == 1 && context_lens.size(0) == num_seqs,
-              "paged_decode: one table row and one length per sequence");
-  // A bad table would read outside the pool: check what will be read (D x W integers).
-  const int64_t width = block_tables.size(1), bs = k_pool.size(2), blocks = k_pool.size(0);
-  const int64_t* tp = block_tables.data_ptr<int64_t>();
-  const int64_t* lp = context_lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < num_seqs; ++i) {
-    TORCH_CHECK(lp[i] >= 1 && lp[i] <= width * bs, "paged_decode: context length out of range");
-    for (int64_t b = 0; b < (lp[i] + bs - 1) / bs; ++b)
-      TORCH_CHECK(tp[i * width + b] >= 0 && tp[i * width + b] < blocks,
-                  "paged_decode: block index out of range");
-  }
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_decode: float32 or bfloat16 only");
+  const int64_t num_seqs = q.size(0), heads = q.size(1), kv_heads = k_pool.size(1);
+  TORCH_CHECK(q.size(2) == k_pool.size(3) && heads % kv_heads == 0,
+              "paged_decode: head_dim and GQA grouping");
+  check_tables(block_tables, context_lens, num_seqs, k_pool.size(2), k_pool.size(0));
+  const Shape s{kv_heads, k_pool.size(2), k_pool.size(3), heads / kv_heads, k_pool.stride(0),
+                k_pool.stride(1)};
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
-  const bool fp32 = q.scalar_type() == at::kFloat;
-  switch (q.size(2)) {  // the common head dims get unrolled loops
-    case 64:
-      fp32 ? run<float, 64>(q, k_pool, v_pool, block_tables, context_lens, sc, out)
-           : run<c10::BFloat16, 64>(q, k_pool, v_pool, block_tables, context_lens, sc, out);
-      break;
-    case 128:
-      fp32 ? run<float, 128>(q, k_pool, v_pool, block_tables, context_lens, sc, out)
-           : run<c10::BFloat16, 128>(q, k_pool, v_pool, block_tables, context_lens, sc, out);
-      break;
-    default:
-      fp32 ? run<float, 0>(q, k_pool, v_pool, block_tables, context_lens, sc, out)
-           : run<c10::BFloat16, 0>(q, k_pool, v_pool, block_tables, context_lens, sc, out);
+  if (q.scalar_type() == at::kFloat) {
+    const Io<float> io{q.data_ptr<float>(), heads * s.head_dim, s.head_dim, out.data_ptr<float>()};
+    dispatch<float>(io, num_seqs, heads, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), s,
+                    block_tables, context_lens, sc);
+  } else {
+    using B = c10::BFloat16;
+    const Io<B> io{q.data_ptr<B>(), heads * s.head_dim, s.head_dim, out.data_ptr<B>()};
+    dispatch<B>(io, num_seqs, heads, k_pool.data_ptr<B>(), v_pool.data_ptr<B>(), s, block_tables,
+                context_lens, sc);
   }
+  return out;
+}
+
+// One whole decode-only step of one layer, fused: the D new tokens' K/V go into their pool
+// slots, then each attends over its context. One call instead of the Python op's ~15 tensor
+// ops per layer (the writes, the output's allocation, the query's copy): at one stream that
+// was most of the attention's cost. Reads the query and writes K/V in their [1, heads, T, hd]
+// layouts, whatever their strides; returns [1, T, H, hd], rows past D (padding) zero.
+// kv_cache [layers, 2, blocks, kvH, block_size, hd] contiguous; write_blocks/offsets [D].
+template <typename T>
+void write_new_kv(const at::Tensor& key, const at::Tensor& value, T* kp, T* vp, const Shape& s,
+                  const int64_t* blocks, const int64_t* offsets, int64_t num_seqs) {
+  const T* kn = key.data_ptr<T>();
+  const T* vn = value.data_ptr<T>();
+  const size_t row = static_cast<size_t>(s.head_dim) * sizeof(T);
+  for (int64_t i = 0; i < num_seqs; ++i)
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const int64_t slot = blocks[i] * s.block_stride + h * s.head_stride + offsets[i] * s.head_dim;
+      std::memcpy(kp + slot, kn + h * key.stride(1) + i * key.stride(2), row);
+      std::memcpy(vp + slot, vn + h * value.stride(1) + i * value.stride(2), row);
+    }
+}
+
+template <typename T>
+void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                 const at::Tensor& kv_cache, int64_t layer, const at::Tensor& write_blocks,
+                 const at::Tensor& write_offsets, const at::Tensor& tables, const at::Tensor& lens,
+                 float scale, at::Tensor& out) {
+  const int64_t num_seqs = write_blocks.size(0), heads = query.size(1);
+  const int64_t kv_heads = kv_cache.size(3);
+  const Shape s{kv_heads, kv_cache.size(4), kv_cache.size(5), heads / kv_heads,
+                kv_cache.stride(2), kv_cache.stride(3)};
+  T* kp = kv_cache.data_ptr<T>() + layer * kv_cache.stride(0);
+  T* vp = kp + kv_cache.stride(1);
+  write_new_kv<T>(key, value, kp, vp, s, write_blocks.data_ptr<int64_t>(),
+                  write_offsets.data_ptr<int64_t>(), num_seqs);
+  const Io<T> io{query.data_ptr<T>(), query.stride(2), query.stride(1), out.data_ptr<T>()};
+  dispatch<T>(io, num_seqs, heads, kp, vp, s, tables, lens, scale);
+}
+
+at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_in,
+                             const at::Tensor& value_in, at::Tensor& kv_cache, int64_t layer,
+                             const at::Tensor& write_blocks, const at::Tensor& write_offsets,
+                             const at::Tensor& block_tables, const at::Tensor& context_lens,
+                             double scale) {
+  TORCH_CHECK(query_in.dim() == 4 && key_in.dim() == 4 && value_in.dim() == 4 &&
+                  query_in.size(0) == 1 && key_in.sizes() == value_in.sizes(),
+              "paged_decode_step: query [1, H, T, hd], key and value [1, kvH, T, hd]");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+              "paged_decode_step: a contiguous pool [layers, 2, blocks, kvH, block_size, hd]");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "paged_decode_step: layer out of range");
+  const auto dtype = query_in.scalar_type();
+  TORCH_CHECK(dtype == key_in.scalar_type() && dtype == value_in.scalar_type() &&
+                  dtype == kv_cache.scalar_type(),
+              "paged_decode_step: query, key, value and the pool share a dtype");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "paged_decode_step: float32 or bfloat16 only");
+  // Rows are copied and read as head_dim contiguous elements; any other layout is copied once.
+  const at::Tensor query = query_in.stride(3) == 1 ? query_in : query_in.contiguous();
+  const at::Tensor key = key_in.stride(3) == 1 ? key_in : key_in.contiguous();
+  const at::Tensor value = value_in.stride(3) == 1 ? value_in : value_in.contiguous();
+  const int64_t heads = query.size(1), tokens = query.size(2), head_dim = query.size(3);
+  const int64_t kv_heads = kv_cache.size(3), block_size = kv_cache.size(4);
+  TORCH_CHECK(key.size(1) == kv_heads && key.size(2) == tokens && key.size(3) == head_dim &&
+                  kv_cache.size(5) == head_dim && heads % kv_heads == 0,
+              "paged_decode_step: heads, head_dim and GQA grouping");
+  TORCH_CHECK(write_blocks.is_contiguous() && write_offsets.is_contiguous() &&
+                  write_blocks.scalar_type() == at::kLong &&
+                  write_offsets.scalar_type() == at::kLong && write_blocks.dim() == 1 &&
+                  write_offsets.sizes() == write_blocks.sizes(),
+              "paged_decode_step: int64 write blocks and offsets, one per decode");
+  const int64_t num_seqs = write_blocks.size(0);
+  TORCH_CHECK(num_seqs >= 1 && num_seqs <= tokens, "paged_decode_step: 1..T decodes");
+  const int64_t* wb = write_blocks.data_ptr<int64_t>();
+  const int64_t* wo = write_offsets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < num_seqs; ++i)
+    TORCH_CHECK(wb[i] >= 0 && wb[i] < kv_cache.size(2) && wo[i] >= 0 && wo[i] < block_size,
+                "paged_decode_step: write slot out of range");
+  check_tables(block_tables, context_lens, num_seqs, block_size, kv_cache.size(2));
+  at::Tensor out = at::empty({1, tokens, heads, head_dim}, query.options());
+  if (tokens > num_seqs) out.narrow(1, num_seqs, tokens - num_seqs).zero_();
+  const float sc = static_cast<float>(scale);
+  if (dtype == at::kFloat)
+    decode_step<float>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
+                       block_tables, context_lens, sc, out);
+  else
+    decode_step<c10::BFloat16>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
+                               block_tables, context_lens, sc, out);
   return out;
 }
 
@@ -219,6 +334,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+        "int layer, Tensor write_blocks, Tensor write_offsets, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode_step", &paged_decode_step);
+}

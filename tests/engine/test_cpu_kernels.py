@@ -15,7 +15,7 @@ import torch
 
 from api.cli import build_parser, config_overrides
 from engine import cpu_kernels
-from engine.attention import AttentionMetadata, attend, build_metadata
+from engine.attention import AttentionMetadata, attend, attend_step, build_metadata
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 
@@ -135,6 +135,54 @@ def test_bad_tables_raise_instead_of_reading_outside_the_pool() -> None:
             op(q, pool, pool, torch.tensor(table), torch.tensor([length]), 1.0)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         op(q.half(), pool.half(), pool.half(), torch.tensor([[0]]), torch.tensor([1]), 1.0)
+
+
+def padded(x: torch.Tensor, pad: int, token_major: bool) -> torch.Tensor:
+    """[heads, D, hd] -> [1, heads, D + pad, hd] with pad zero tokens; token_major: strided as
+    HF's projections leave it (a [1, T, heads, hd] tensor transposed), else contiguous."""
+    x = torch.cat([x, x.new_zeros(x.shape[0], pad, x.shape[2])], dim=1)[None]
+    return x.transpose(1, 2).contiguous().transpose(1, 2) if token_major else x.contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pad,token_major", [(0, True), (3, False), (2, True)])
+def test_the_fused_step_writes_and_attends_as_the_unfused_path(dtype: torch.dtype, pad: int,
+                                                               token_major: bool) -> None:
+    """pagedserve_cpu::paged_decode_step (one call per layer of a decode-only step) against
+    attend(): the same pool afterwards and the same output bits, zeros in the padding rows,
+    whatever the query's layout."""
+    pool, q, kv, meta = decode_step(CONTEXTS, dtype, True)
+    assert meta.fused_decode
+    pool_unfused = pool.clone()
+    meta_unfused = AttentionMetadata(pool_unfused, meta.write_blocks, meta.write_offsets,
+                                     meta.num_decodes, (), (), BLOCK,
+                                     decode_tables=meta.decode_tables,
+                                     decode_lens=meta.decode_lens)
+    assert not meta_unfused.fused_decode
+    scale = HEAD_DIM ** -0.5
+    with torch.inference_mode():
+        expected = attend(q, kv[0], kv[1], 0, scale, meta_unfused)  # [D, H, hd]
+        out = attend_step(padded(q, pad, token_major), padded(kv[0], pad, token_major),
+                          padded(kv[1], pad, not token_major), 0, scale, meta)
+    assert out.shape == (1, len(CONTEXTS) + pad, HEADS, HEAD_DIM)
+    assert torch.equal(out[0, :len(CONTEXTS)], expected)
+    assert not out[0, len(CONTEXTS):].any()
+    assert torch.equal(pool, pool_unfused)
+
+
+def test_the_fused_step_checks_its_slots_and_layer() -> None:
+    pool, q, kv, meta = decode_step([5, 20], torch.float32, True)
+    op = torch.ops.pagedserve_cpu.paged_decode_step
+    args = (q[None], kv[0][None], kv[1][None], pool)
+    tables, lens = meta.decode_tables, meta.decode_lens
+    full = pool.shape[2]
+    for blocks, offsets, message in (([0, full], [0, 0], "write slot out of range"),
+                                     ([0, 0], [0, BLOCK], "write slot out of range"),
+                                     ([0, 0, 0], [0, 0], "one per decode")):
+        with pytest.raises(RuntimeError, match=message):
+            op(*args, 0, torch.tensor(blocks), torch.tensor(offsets), tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="layer out of range"):
+        op(*args, 1, meta.write_blocks, meta.write_offsets, tables, lens, 1.0)
 
 
 def test_backend_choice() -> None:
