@@ -37,7 +37,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++20")
+COMPILE_FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp",
+                 "-fPIC", "-std=c++20")
 LINK_FLAGS = ("-shared", "-fopenmp")
 # -ffast-math lets exp and the dot products' sums vectorise (within 1e-5 of the torch path in
 # fp32, tests/engine/test_cpu_kernels.py). It is a compile flag only: linked with it, GCC adds

@@ -15,12 +15,14 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -63,6 +65,123 @@ inline void dot_rows(const float* __restrict q, const float* __restrict k, float
   }
 }
 
+#if defined(__AVX512BF16__)
+// The QK of one bf16 block with the BF16 dot-product instruction (vdpbf16ps: each pair of bf16
+// products summed exactly into fp32 lanes), K read as stored, never widened:
+// scores[h * ctx + t] = scale * (q_h . k[t]) for its n rows and the g query heads (q_h at
+// q + h * q_head_stride). HD: a multiple of 32.
+constexpr bool kBf16Dot = true;
+
+template <int64_t HD>
+inline void qk_block_bf16(const c10::BFloat16* q, int64_t q_head_stride, int64_t g,
+                          const c10::BFloat16* k, float* scores, int64_t ctx, int64_t n,
+                          float scale) {
+  constexpr int64_t W = HD / 32;
+  for (int64_t t = 0; t < n; ++t) {
+    __m512bh kr[W];
+    for (int64_t j = 0; j < W; ++j) kr[j] = (__m512bh)_mm512_loadu_si512(k + t * HD + j * 32);
+    for (int64_t h = 0; h < g; ++h) {
+      const c10::BFloat16* qh = q + h * q_head_stride;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < W; ++j)
+        acc = _mm512_dpbf16_ps(acc, kr[j], (__m512bh)_mm512_loadu_si512(qh + j * 32));
+      scores[h * ctx + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors: a tree of lane shuffles and adds (46
+// instructions against ~130 for 16 separate horizontal sums). Each add only ever combines
+// lanes of one input vector.
+inline __m512 sum16(__m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit quarters: v[2i]'s q0+q2, q1+q3, then v[2i+1]'s
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarter k: the 4 partial sums of v[4i + k]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // quarter k: 2 partials of v[8i + k], then of v[8i + 4 + k]
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  // lane 4k + m: the sum of v[4m + k]; the permute puts it at lane 4m + k
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
+                                 _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, d);
+}
+
+// qk_block_bf16 for a block of 16 rows (the default block size): the 16 rows' dot products
+// are summed across lanes together (sum16). Rows past n (a last block's unwritten slots) are
+// computed too, from memory inside the block, and not stored.
+template <int64_t HD>
+inline void qk_block16_bf16(const c10::BFloat16* q, int64_t q_head_stride, int64_t g,
+                            const c10::BFloat16* k, float* scores, int64_t ctx, int64_t n,
+                            float scale) {
+  constexpr int64_t W = HD / 32;
+  const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t h = 0; h < g; ++h) {
+    __m512bh qv[W];
+    for (int64_t j = 0; j < W; ++j)
+      qv[j] = (__m512bh)_mm512_loadu_si512(q + h * q_head_stride + j * 32);
+    __m512 dots[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < W; ++j)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + t * HD + j * 32), qv[j]);
+      dots[t] = acc;
+    }
+    const __m512 row = _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + h * ctx, keep, row);
+  }
+}
+
+// The PV of one bf16 block for G query heads at once: each V row is widened to fp32 once (a
+// shift) and added, weighted, into all G heads' sums, which stay in registers across the
+// block's rows (G * HD / 16 zmm: G is at most 4 at head dim 64, 2 at 128). p: the first
+// head's scores at this block (the next head's are ctx further on); acc: [G, HD].
+template <int64_t HD, int G>
+inline void pv_block_bf16(const float* p, int64_t ctx, const c10::BFloat16* v, int64_t n,
+                          float* acc) {
+  constexpr int64_t W = HD / 16;
+  __m512 a[G][W];
+  for (int h = 0; h < G; ++h)
+    for (int64_t j = 0; j < W; ++j) a[h][j] = _mm512_loadu_ps(acc + h * HD + j * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 row[W];
+    for (int64_t j = 0; j < W; ++j) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + t * HD + j * 16));
+      row[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    }
+    for (int h = 0; h < G; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h * ctx + t]);
+      for (int64_t j = 0; j < W; ++j) a[h][j] = _mm512_fmadd_ps(w, row[j], a[h][j]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int64_t j = 0; j < W; ++j) _mm512_storeu_ps(acc + h * HD + j * 16, a[h][j]);
+}
+
+// pv_block_bf16 over all g heads, in groups of as many as fit in registers.
+template <int64_t HD>
+inline void pv_block_bf16_heads(const float* scores, int64_t ctx, int64_t g,
+                                const c10::BFloat16* v, int64_t n, float* acc) {
+  constexpr int64_t most = HD <= 64 ? 4 : 2;
+  for (int64_t h = 0; h < g; h += most) {
+    const float* p = scores + h * ctx;
+    float* a = acc + h * HD;
+    switch (std::min(most, g - h)) {
+      case 1: pv_block_bf16<HD, 1>(p, ctx, v, n, a); break;
+      case 2: pv_block_bf16<HD, 2>(p, ctx, v, n, a); break;
+      case 3: pv_block_bf16<HD, 3>(p, ctx, v, n, a); break;
+      default: pv_block_bf16<HD, 4>(p, ctx, v, n, a);
+    }
+  }
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 // acc += sum_t p[t] * v[t] over the n rows of one block (v: [n, hd] floats). With the head dim
 // known the sum stays in registers across the rows instead of going through memory per row.
 template <int64_t HD>
@@ -101,10 +220,12 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
   float* scores = rows + bs * hd;     // [g, ctx]
   float* inv_sum = scores + g * ctx;  // [g]
 
-  for (int64_t h = 0; h < g; ++h) {
-    const float* qrow = as_float(q + h * q_head_stride, qf + h * hd, hd);
-    for (int64_t d = 0; d < hd; ++d) qf[h * hd + d] = qrow[d] * scale;
-  }
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0;
+  if constexpr (!bf16_dot)
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qrow = as_float(q + h * q_head_stride, qf + h * hd, hd);
+      for (int64_t d = 0; d < hd; ++d) qf[h * hd + d] = qrow[d] * scale;
+    }
 
   const int64_t num_blocks = (ctx + bs - 1) / bs, block_bytes = bs * hd * sizeof(T);
   const int64_t head_offset = kv_head * s.head_stride;
@@ -113,6 +234,15 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
   for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
     prefetch(b + 1 < num_blocks ? block(k_pool, b + 1) : block(v_pool, 0), block_bytes);
     const int64_t n = std::min(bs, ctx - t0);
+#if defined(__AVX512BF16__)
+    if constexpr (bf16_dot) {
+      if (bs == 16)
+        qk_block16_bf16<HD>(q, q_head_stride, g, block(k_pool, b), scores + t0, ctx, n, scale);
+      else
+        qk_block_bf16<HD>(q, q_head_stride, g, block(k_pool, b), scores + t0, ctx, n, scale);
+      continue;
+    }
+#endif
     const float* k = as_float(block(k_pool, b), rows, n * hd);
     for (int64_t h = 0; h < g; ++h) dot_rows<HD>(qf + h * hd, k, scores + h * ctx + t0, n, hd);
   }
@@ -133,6 +263,12 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
   for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
     if (b + 1 < num_blocks) prefetch(block(v_pool, b + 1), block_bytes);
     const int64_t n = std::min(bs, ctx - t0);
+#if defined(__AVX512BF16__)
+    if constexpr (bf16_dot) {
+      pv_block_bf16_heads<HD>(scores + t0, ctx, g, block(v_pool, b), n, acc);
+      continue;
+    }
+#endif
     const float* v = as_float(block(v_pool, b), rows, n * hd);
     for (int64_t h = 0; h < g; ++h) axpy_rows<HD>(acc + h * hd, scores + h * ctx + t0, v, n, hd);
   }
