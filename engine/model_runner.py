@@ -55,6 +55,7 @@ class StepInputs:
     keep: torch.Tensor  # [K] packed positions whose logits are computed
     sample_ids: list[str]  # the sequences that sample, in batch order
     sample_rows: torch.Tensor | None  # [S] their logits rows; None when none samples
+    samples_every_row: bool  # sample_rows is 0..K-1: the logits are sampled as they are
     sampling: SamplingBatch | None  # their sampling inputs
     prompt_rows: list[PromptRows]
     prompt_targets: torch.Tensor | None  # [P] the prompt token each prompt row predicts
@@ -258,6 +259,7 @@ class ModelRunner:
             keep=to_device(flat.keep, long, dev),
             sample_ids=[seq.seq_id for seq in sampled],
             sample_rows=to_device([r for _, r in sample_rows], long, dev) if sampled else None,
+            samples_every_row=[r for _, r in sample_rows] == list(range(len(flat.keep))),
             sampling=self.sampling.build(sampled, dev, masks) if sampled else None,
             prompt_rows=flat.prompt_rows,
             prompt_targets=(to_device(flat.prompt_targets, long, dev) if flat.prompt_targets
@@ -316,7 +318,9 @@ class ModelRunner:
     def _sample(self, step: StepInputs, logits: torch.Tensor, output: RunnerOutput) -> None:
         if step.sample_rows is None or step.sampling is None:
             return
-        tokens, logprobs = sample(logits.index_select(0, step.sample_rows), step.sampling)
+        # A decode-only step samples every row in order: no [S, V] copy (64 x 49152 bf16: 6 MB)
+        rows = logits if step.samples_every_row else logits.index_select(0, step.sample_rows)
+        tokens, logprobs = sample(rows, step.sampling)
         for seq_id, token, lp in zip(step.sample_ids, tokens, logprobs, strict=True):
             output.sampled_token_ids[seq_id] = token
             if lp is not None:

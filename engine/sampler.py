@@ -142,10 +142,21 @@ def sample(logits: torch.Tensor,
     assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (logits.shape,
                                                                      batch.num_rows)
     assert logits.shape[1] >= batch.vocab_size, (logits.shape, batch.vocab_size)
+    if _plain_greedy(batch):
+        # The max of the model's own dtype: widening bf16 to fp32 is exact, so the same first
+        # index of the max, without the [n, V] fp32 copy (64 x 49152: ~1.3 ms on the CPU).
+        tokens = logits[:, : batch.vocab_size].max(dim=-1).indices
+        return tokens.tolist(), [None] * batch.num_rows
     raw = logits[:, : batch.vocab_size].float()  # [n, V]; a padded LM head's tail is cut
     processed = _process(raw, batch)
     tokens = _choose(processed, batch)  # [n]
     return tokens.tolist(), _logprobs(raw, tokens, batch)
+
+
+def _plain_greedy(batch: SamplingBatch) -> bool:
+    """Every row greedy, nothing that changes the logits, no logprobs: an argmax."""
+    return (batch.sampled is None and batch.logprob_index is None and batch.bias is None
+            and batch.banned is None and batch.penalties is None and batch.allowed is None)
 
 
 def _process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

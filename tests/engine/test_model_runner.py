@@ -57,6 +57,28 @@ def test_samples_exactly_the_sequences_that_finish_their_tokens(llama_runner: Mo
     assert any(not want for want, _ in seen)  # a prefill-only step sampled nothing
 
 
+def test_logits_go_to_the_sampler_uncopied_only_when_every_row_samples(
+        llama_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """samples_every_row skips the [S, V] index_select: right only when the sampled rows are
+    exactly the kept rows in order (decode-only steps), not when prompt-logprob rows are kept
+    too. The tokens stay HF's either way (test_tiny_models_match_hf, the golden tests)."""
+    flags: list[bool] = []
+    prepare = llama_runner._prepare
+
+    def spy(*args: object, **kwargs: object) -> object:
+        step = prepare(*args, **kwargs)  # type: ignore[arg-type]
+        if step.sample_rows is not None:
+            in_order = torch.equal(step.sample_rows, torch.arange(step.keep.shape[0]))
+            assert step.samples_every_row == in_order
+            flags.append(step.samples_every_row)
+        return step
+
+    monkeypatch.setattr(llama_runner, "_prepare", spy)
+    seqs = [greedy_seq("p", PROMPTS[1], 3, prompt_logprobs=1), greedy_seq("d", PROMPTS[0], 3)]
+    drive(llama_runner, seqs, chunk=64)
+    assert True in flags and False in flags
+
+
 def test_empty_batch(llama_runner: ModelRunner) -> None:
     out = llama_runner.execute(SchedulerOutput())
     assert not out.sampled_token_ids and not out.prompt_logprobs

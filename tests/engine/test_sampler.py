@@ -317,3 +317,16 @@ def test_greedy_picks_the_first_of_tied_maxima_like_argmax(dtype: torch.dtype) -
     tokens, _ = make_sampler(vocab)(logits, seqs)
     assert tokens == logits.float().argmax(dim=-1).tolist()
     assert tokens[3] == 7
+
+
+def test_plain_greedy_rows_get_the_tokens_of_the_full_path() -> None:
+    """An all-greedy batch without logprobs takes the max of the raw (bf16) logits; asking for
+    logprobs sends the same rows through the fp32 path: the same tokens."""
+    logits = torch.randn(6, 4000, generator=torch.Generator().manual_seed(1)).bfloat16()
+    plain = [make_seq(SamplingParams(temperature=0.0), seq_id=str(i)) for i in range(6)]
+    with_lp = [make_seq(SamplingParams(temperature=0.0, logprobs=2), seq_id=str(i))
+               for i in range(6)]
+    tokens, lps = make_sampler(4000)(logits, plain)
+    tokens_lp, lps_lp = make_sampler(4000)(logits, with_lp)
+    assert tokens == tokens_lp == logits.float().argmax(dim=-1).tolist()
+    assert lps == [None] * 6 and all(lp is not None for lp in lps_lp)
