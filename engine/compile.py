@@ -21,6 +21,13 @@ Artifacts. Inductor's FX graph cache and AOT autograd cache are on and pointed u
 engine's cache root (`<cache_root>/torch_compile`), so a second start with the same model,
 dtype and torch reloads the compiled code instead of generating it.
 
+The wrapper. On the CPU the code that calls the graph's kernels one after the other is C++
+(inductor's `cpp_wrapper`), not Python: at one stream a step is ~300 kernel and op calls, and
+the Python wrapper's per-call cost was ~1.4 ms of a 12.6 ms step (docs/performance.md). The
+wrapper's entry is compiled apart from the kernels (`cpp_wrapper_build_separate`: the glue at
+-O1, the kernels at -O3, as separate files): as one file at -O3 it took the first start from
+~100 s to 426 s. Setting TORCHINDUCTOR_CPP_WRAPPER yourself leaves inductor's own choice.
+
 CUDA. The same code path runs there (tests/gpu/test_compiled_cuda.py). CUDA graphs are not
 used yet: a graph replays the kernels it captured with the addresses they read, and this op
 reads a new AttentionMetadata every step. Decode-only steps of a bucketed size are where
@@ -36,6 +43,7 @@ import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -93,6 +101,15 @@ def use_cache_dir(root: Path) -> Path:
     return path
 
 
+def inductor_options(device: torch.device) -> dict[str, Any]:
+    """Per-compile inductor settings (torch.compile's options=, so they touch no other
+    compile in the process): the C++ wrapper on the CPU, unless the user set
+    TORCHINDUCTOR_CPP_WRAPPER. On CUDA, inductor's defaults."""
+    if device.type != "cpu" or "TORCHINDUCTOR_CPP_WRAPPER" in os.environ:
+        return {}
+    return {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+
+
 def wants_compile(config: EngineConfig) -> bool:
     if config.enforce_eager:
         return False
@@ -117,8 +134,10 @@ class CompiledForward:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 4 * limit)
+        device = next(model.parameters()).device
         self._compiled: Callable[..., torch.Tensor] = torch.compile(
-            self._body, dynamic=False if not dynamic else None)
+            self._body, dynamic=False if not dynamic else None,
+            options=inductor_options(device))
 
     def _body(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.decoder(input_ids=input_ids, position_ids=position_ids,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.compile import bucket_for, token_buckets
+from engine.compile import bucket_for, inductor_options, token_buckets
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
@@ -133,6 +133,18 @@ def test_buckets() -> None:
     assert token_buckets(1024) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512, 1024]
     assert token_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 100]
     assert [bucket_for([1, 2, 4, 8], n) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 9]
+
+
+def test_the_cpu_wrapper_is_cpp_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled tests here run through these options: on the CPU the C++ wrapper, its
+    entry built apart from the kernels; CUDA keeps inductor's defaults; a user's
+    TORCHINDUCTOR_CPP_WRAPPER wins."""
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_WRAPPER", raising=False)
+    assert inductor_options(torch.device("cpu")) == {"cpp_wrapper": True,
+                                                     "cpp_wrapper_build_separate": True}
+    assert inductor_options(torch.device("cuda")) == {}
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
+    assert inductor_options(torch.device("cpu")) == {}
 
 
 def test_op_outside_forward_context_is_an_error() -> None:
