@@ -43,9 +43,11 @@ class BrokenSpec(FakeSpec):
         return [sys.executable, "-c", "raise SystemExit('no model here')"]
 
 
-SERVERS = {OURS: FakeSpec(OURS, ("--delay", "0.004")),
-           "naive": FakeSpec("naive", ("--serial", "--delay", "0.004")),
-           "request-batching": FakeSpec("request-batching", ("--delay", "0.02")),
+# Token delays large against a loaded 2-core box's stalls: with 4 ms tokens a 0.3 s hiccup in
+# our fake's c16 run once made it no faster than the serial one (ratio 1.02, in a fresh-clone CI run).
+SERVERS = {OURS: FakeSpec(OURS, ("--delay", "0.02")),
+           "naive": FakeSpec("naive", ("--serial", "--delay", "0.02")),
+           "request-batching": FakeSpec("request-batching", ("--delay", "0.1")),
            "transformers-cb": BrokenSpec("transformers-cb")}
 
 
@@ -54,7 +56,7 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any]
     out = tmp_path_factory.mktemp("results")
     # pagedserve listed last: it must still run first (the Poisson rates come from it)
     args = parse_args(["--servers", "naive", "request-batching", "transformers-cb", OURS,
-                       "--out", str(out), "--server-args", "request-batching=--delay 0.03"],
+                       "--out", str(out), "--server-args", "request-batching=--delay 0.15"],
                       tuple(SERVERS))
     mp = pytest.MonkeyPatch()
     mp.setattr(compare, "wait_for_idle", lambda *a: {"idle": True, "stub": True})
@@ -70,7 +72,7 @@ def test_servers_run_one_at_a_time_ours_first(comparison: tuple[dict[str, Any], 
     assert list(servers) == [OURS, "naive", "request-batching", "transformers-cb"]
     spans = [(s["started_at"], s["stopped_at"]) for s in servers.values()]
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # never two at once
-    assert servers["request-batching"]["command"][-2:] == ["--delay", "0.03"]  # --server-args
+    assert servers["request-batching"]["command"][-2:] == ["--delay", "0.15"]  # --server-args
     for name in (OURS, "naive", "request-batching"):
         runs = servers[name]["runs"]
         assert list(runs) == ["c2", "c16", "poisson-80"]

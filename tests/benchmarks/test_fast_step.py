@@ -157,7 +157,9 @@ class Fake:
 
 TINY = Plan(concurrencies=(1, 16), rate_fractions=(), input_range=(4, 8), output_range=(8, 8),
             prompts_per_slot=1, min_prompts=2, max_prompts=16, poisson_prompts=0, num_warmups=1)
-REGISTRY = {"fast": Fake("fast", "--delay", "0.004"), "slow": Fake("slow", "--delay", "0.05")}
+# Token delays large against a loaded box's stalls (a 0.3 s hiccup must not bring the 15x
+# gap under the 1.3x the check asks for).
+REGISTRY = {"fast": Fake("fast", "--delay", "0.01"), "slow": Fake("slow", "--delay", "0.15")}
 # The fake server knows neither --enforce-eager nor --quantization: it must reject the int4
 # variant's flag at start-up, as today's pagedserve would, and the run must go on.
 VARIANTS = (Variant(DEFAULT, "fast"), Variant(EAGER, "slow"),
@@ -191,7 +193,7 @@ def test_tiny_run_end_to_end(tiny_run: tuple[dict[str, Any], Path]) -> None:
     assert st["first_s"] > 0 and st["second_s"] == srv[DEFAULT]["ready_s"]
     got = by_name(data["checks"])
     d = got["default c=16 tok/s >= 1.3x enforce-eager"]
-    assert d["pass"] is True and d["ratio"] > 1.3  # same concurrency, tokens 12x faster
+    assert d["pass"] is True and d["ratio"] > 1.3  # same concurrency, tokens 15x faster
     assert got["c=1 ITL p50 <= vLLM's"]["pass"] is None  # vLLM not in this run
     assert "not in this run" in got["c=1 ITL p50 <= vLLM's"]["missing"]
     assert data["hf_generate"]["status"] == "not run"
