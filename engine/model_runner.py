@@ -249,6 +249,7 @@ class ModelRunner:
         dev, long = self.device, torch.long
         sample_rows = sorted(flat.sample_rows)  # batch order, as the sampler sees the rows
         sampled = [batch.seqs[i] for i, _ in sample_rows]
+        rows = [r for _, r in sample_rows]
         return StepInputs(
             input_ids=self._padded(flat.ids),
             position_ids=self._padded(flat.positions),
@@ -258,8 +259,8 @@ class ModelRunner:
                                     paged_decode_kernel=self.paged_decode_kernel),
             keep=to_device(flat.keep, long, dev),
             sample_ids=[seq.seq_id for seq in sampled],
-            sample_rows=to_device([r for _, r in sample_rows], long, dev) if sampled else None,
-            samples_every_row=[r for _, r in sample_rows] == list(range(len(flat.keep))),
+            sample_rows=to_device(rows, long, dev) if sampled else None,
+            samples_every_row=rows == list(range(len(flat.keep))),
             sampling=self.sampling.build(sampled, dev, masks) if sampled else None,
             prompt_rows=flat.prompt_rows,
             prompt_targets=(to_device(flat.prompt_targets, long, dev) if flat.prompt_targets

@@ -155,15 +155,19 @@ def sample(logits: torch.Tensor,
 
 def _plain_greedy(batch: SamplingBatch) -> bool:
     """Every row greedy, nothing that changes the logits, no logprobs: an argmax."""
-    return (batch.sampled is None and batch.logprob_index is None and batch.bias is None
-            and batch.banned is None and batch.penalties is None and batch.allowed is None)
+    return batch.sampled is None and batch.logprob_index is None and not _has_processors(batch)
+
+
+def _has_processors(batch: SamplingBatch) -> bool:
+    """Anything that changes logits before the choice (what _process applies)."""
+    return not (batch.bias is None and batch.banned is None and batch.penalties is None
+                and batch.allowed is None)
 
 
 def _process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """grammar mask -> logit_bias -> min_tokens -> penalties, on a copy; raw is kept for
     logprobs. The mask comes first: nothing after it can bring back a forbidden token."""
-    if (batch.bias is None and batch.banned is None and batch.penalties is None
-            and batch.allowed is None):
+    if not _has_processors(batch):
         return raw
     logits = raw.clone()
     if batch.allowed is not None:

@@ -377,12 +377,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   return out;
 }
 
-// One whole decode-only step of one layer, fused: the D new tokens' K/V go into their pool
-// slots, then each attends over its context. One call instead of the Python op's ~15 tensor
-// ops per layer (the writes, the output's allocation, the query's copy): at one stream that
-// was most of the attention's cost. Reads the query and writes K/V in their [1, heads, T, hd]
-// layouts, whatever their strides; returns [1, T, H, hd], rows past D (padding) zero.
-// kv_cache [layers, 2, blocks, kvH, block_size, hd] contiguous; write_blocks/offsets [D].
+// The fused step's K/V writes: row i of key/value (each kv head) into slot i of the pool.
 template <typename T>
 void write_new_kv(const at::Tensor& key, const at::Tensor& value, T* kp, T* vp, const Shape& s,
                   const int64_t* blocks, const int64_t* offsets, int64_t num_seqs) {
@@ -414,6 +409,12 @@ void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tenso
   dispatch<T>(io, num_seqs, heads, kp, vp, s, tables, lens, scale);
 }
 
+// One whole decode-only step of one layer, fused: the D new tokens' K/V go into their pool
+// slots, then each attends over its context. One call instead of the Python op's ~15 tensor
+// ops per layer (the writes, the output's allocation, the query's copy): at one stream that
+// was most of the attention's cost. Reads the query and writes K/V in their [1, heads, T, hd]
+// layouts, whatever their strides; returns [1, T, H, hd], rows past D (padding) zero.
+// kv_cache [layers, 2, blocks, kvH, block_size, hd] contiguous; write_blocks/offsets [D].
 at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_in,
                              const at::Tensor& value_in, at::Tensor& kv_cache, int64_t layer,
                              const at::Tensor& write_blocks, const at::Tensor& write_offsets,
