@@ -76,6 +76,10 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
                                      ("prompt tokens one step may take while other sequences "
                                       "decode, so long prompts cannot stall their streams; "
                                       f"0 = only the step budget ({PRESET}, else 0)")),
+    "--decode-step-prefill-tokens-per-seq": (
+        "decode_step_prefill_tokens_per_seq", int,
+        ("grow that cap to this many prompt tokens per decoding sequence, so a wide decode "
+         f"batch still admits new prompts quickly; 0 = a fixed cap ({PRESET}, else 0)")),
     "--max-num-queued-reqs": ("max_num_queued_reqs", int,
                               "waiting requests before 429, 0 = unbounded (default 0)"),
     "--max-num-queued-tokens": ("max_num_queued_tokens", int,

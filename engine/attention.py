@@ -81,9 +81,10 @@ class AttentionMetadata:
     # (engine/cpu_kernels.py): [D, W] block tables padded with block 0, [D] context lengths.
     decode_tables: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
-    # decode_tables set and nothing else in the step: each layer is one fused kernel call
-    # (K/V writes and attention, pagedserve_cpu::paged_decode_step).
-    fused_decode: bool = False
+    # The CPU kernel's path with a pool: each layer is one fused kernel call (every new
+    # token's K/V write and the decodes' attention, pagedserve_cpu::paged_decode_step), then
+    # one SDPA per prefill chunk.
+    fused_step: bool = False
 
 
 def build_metadata(
@@ -108,8 +109,9 @@ def build_metadata(
     slots = to_device(slot_mapping, torch.long, device)  # [T]
     tables: tuple[torch.Tensor, torch.Tensor] | None = None
     groups: tuple[DecodeGroup, ...] = ()
-    if paged_decode_kernel and decodes and kv_cache is not None and not invariant:
-        tables = _kernel_tables(decodes, device)
+    fused = paged_decode_kernel and kv_cache is not None and not invariant
+    if fused:
+        tables = _kernel_tables(decodes, device) if decodes else None
     else:
         if invariant:  # each decode padded to its own width, grouped only with equal widths
             decodes = [(bt[:-(-ctx // block_size)], ctx) for bt, ctx in decodes]
@@ -129,7 +131,7 @@ def build_metadata(
         batch_invariant=invariant,
         decode_tables=tables[0] if tables else None,
         decode_lens=tables[1] if tables else None,
-        fused_decode=tables is not None and not prefills,
+        fused_step=fused,
     )
 
 
@@ -250,10 +252,8 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
                 scale: float, meta: AttentionMetadata) -> torch.Tensor:
     """One layer of the step: query [1, H, T, hd], key/value [1, kvH, T, hd] -> [1, T, H, hd].
     T may exceed the metadata's tokens (a compiled bucket's padding): those rows are zero."""
-    if meta.fused_decode:  # decodes only, through the CPU kernel: writes included, one call
-        return torch.ops.pagedserve_cpu.paged_decode_step(
-            query, key, value, meta.kv_cache, layer, meta.write_blocks, meta.write_offsets,
-            meta.decode_tables, meta.decode_lens, scale)
+    if meta.fused_step:
+        return fused_step(query, key, value, layer, scale, meta)
     real = meta.write_blocks.shape[0]
     out = attend(query[0, :, :real], key[0, :, :real], value[0, :, :real], layer, scale, meta)
     if real == query.shape[2]:
@@ -261,6 +261,25 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
     padded = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
     padded[0, :real] = out
     return padded
+
+
+def fused_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+               scale: float, meta: AttentionMetadata) -> torch.Tensor:
+    """attend_step through the CPU kernel: one call writes every new token's K/V and attends
+    the decodes (rows from num_decodes on come back zero), then each prefill chunk's SDPA
+    fills its rows. Measured on the 2-core Sapphire Rapids, SmolLM2 bf16, 64 decodes + one
+    100-token prefill: the index_put writes alone were 4 ms of an 87 ms step."""
+    assert meta.kv_cache is not None, "the fused step needs the pool"
+    out = torch.ops.pagedserve_cpu.paged_decode_step(
+        query, key, value, meta.kv_cache, layer, meta.write_blocks, meta.write_offsets,
+        meta.decode_tables, meta.decode_lens, scale)  # [1, T, H, hd]
+    if meta.prefills:
+        k_pool, v_pool = meta.kv_cache[layer]
+        q, k, v = query[0], key[0], value[0]
+        for chunk in meta.prefills:
+            out[0, chunk.start:chunk.start + chunk.num_tokens] = prefill_attention(
+                q, k, v, k_pool, v_pool, chunk, scale)
+    return out
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,

@@ -25,6 +25,12 @@ class SchedulerConfig:
     # latency even (Sarathi-Serve's stall-free batching). With nothing decoding, prefill
     # uses the whole budget: there is no stream to stall.
     decode_step_prefill_tokens: int = 0
+    # With that cap on, it grows to this many prompt tokens per decoding sequence (0 = a
+    # fixed cap). A step's cost grows with its rows, so the same prompt tokens stall a wide
+    # decode batch relatively less, while the prompts waiting behind a fixed cap leave its
+    # slots empty: at 64 streams a 64-token cap admitted the first wave of ~100-token
+    # prompts over ~100 steps and cost a fifth of the throughput (docs/performance.md).
+    decode_step_prefill_tokens_per_seq: int = 0
     # Bounded waiting queue (0 = unbounded); beyond it add() raises QueueFullError.
     max_num_queued_reqs: int = 0
     max_num_queued_tokens: int = 0
@@ -36,8 +42,18 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.decode_step_prefill_tokens < 0:
             raise ValueError("decode_step_prefill_tokens must be >= 0")
+        if self.decode_step_prefill_tokens_per_seq < 0:
+            raise ValueError("decode_step_prefill_tokens_per_seq must be >= 0")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError("policy must be 'fcfs' or 'priority'")
+
+    def decode_step_prefill_cap(self, num_decoding: int) -> int:
+        """Prompt tokens a step may take while num_decoding sequences decode; 0 = no cap
+        beyond the step budget (the cap is off, or nothing decodes)."""
+        if not self.decode_step_prefill_tokens or num_decoding == 0:
+            return 0
+        return max(self.decode_step_prefill_tokens,
+                   self.decode_step_prefill_tokens_per_seq * num_decoding)
 
     @property
     def prefill_chunk_cap(self) -> int:

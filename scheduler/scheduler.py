@@ -166,10 +166,8 @@ class Scheduler:
 
     def _prefill_cap(self) -> int:
         """Prompt tokens this step may take in all (see decode_step_prefill_tokens)."""
-        cap = self.config.decode_step_prefill_tokens
-        if cap and any(seq.num_uncomputed_tokens == 1 for seq in self.running):
-            return cap
-        return self.config.max_num_batched_tokens
+        decoding = sum(seq.num_uncomputed_tokens == 1 for seq in self.running)
+        return self.config.decode_step_prefill_cap(decoding) or self.config.max_num_batched_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in list(self.running):

@@ -380,11 +380,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
 // The fused step's K/V writes: row i of key/value (each kv head) into slot i of the pool.
 template <typename T>
 void write_new_kv(const at::Tensor& key, const at::Tensor& value, T* kp, T* vp, const Shape& s,
-                  const int64_t* blocks, const int64_t* offsets, int64_t num_seqs) {
+                  const int64_t* blocks, const int64_t* offsets, int64_t num_tokens) {
   const T* kn = key.data_ptr<T>();
   const T* vn = value.data_ptr<T>();
   const size_t row = static_cast<size_t>(s.head_dim) * sizeof(T);
-  for (int64_t i = 0; i < num_seqs; ++i)
+  for (int64_t i = 0; i < num_tokens; ++i)
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       const int64_t slot = blocks[i] * s.block_stride + h * s.head_stride + offsets[i] * s.head_dim;
       std::memcpy(kp + slot, kn + h * key.stride(1) + i * key.stride(2), row);
@@ -395,31 +395,34 @@ void write_new_kv(const at::Tensor& key, const at::Tensor& value, T* kp, T* vp, 
 template <typename T>
 void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                  const at::Tensor& kv_cache, int64_t layer, const at::Tensor& write_blocks,
-                 const at::Tensor& write_offsets, const at::Tensor& tables, const at::Tensor& lens,
-                 float scale, at::Tensor& out) {
-  const int64_t num_seqs = write_blocks.size(0), heads = query.size(1);
-  const int64_t kv_heads = kv_cache.size(3);
+                 const at::Tensor& write_offsets, const std::optional<at::Tensor>& tables,
+                 const std::optional<at::Tensor>& lens, float scale, at::Tensor& out) {
+  const int64_t heads = query.size(1), kv_heads = kv_cache.size(3);
   const Shape s{kv_heads, kv_cache.size(4), kv_cache.size(5), heads / kv_heads,
                 kv_cache.stride(2), kv_cache.stride(3)};
   T* kp = kv_cache.data_ptr<T>() + layer * kv_cache.stride(0);
   T* vp = kp + kv_cache.stride(1);
   write_new_kv<T>(key, value, kp, vp, s, write_blocks.data_ptr<int64_t>(),
-                  write_offsets.data_ptr<int64_t>(), num_seqs);
+                  write_offsets.data_ptr<int64_t>(), write_blocks.size(0));
+  if (!tables.has_value()) return;
   const Io<T> io{query.data_ptr<T>(), query.stride(2), query.stride(1), out.data_ptr<T>()};
-  dispatch<T>(io, num_seqs, heads, kp, vp, s, tables, lens, scale);
+  dispatch<T>(io, tables->size(0), heads, kp, vp, s, *tables, *lens, scale);
 }
 
-// One whole decode-only step of one layer, fused: the D new tokens' K/V go into their pool
-// slots, then each attends over its context. One call instead of the Python op's ~15 tensor
-// ops per layer (the writes, the output's allocation, the query's copy): at one stream that
-// was most of the attention's cost. Reads the query and writes K/V in their [1, heads, T, hd]
-// layouts, whatever their strides; returns [1, T, H, hd], rows past D (padding) zero.
-// kv_cache [layers, 2, blocks, kvH, block_size, hd] contiguous; write_blocks/offsets [D].
+// One layer of a step through the pool, fused: the W new tokens' K/V go into their pool
+// slots, then the first D of them (the decodes, one query per sequence) attend over their
+// contexts. One call instead of the Python path's ~15 tensor ops per layer (the index_put
+// writes, the output's allocation, the query's copy): at one stream that was most of the
+// attention's cost. Reads the query and writes K/V in their [1, heads, T, hd] layouts,
+// whatever their strides; returns [1, T, H, hd] with rows from D on zero: the caller writes
+// the prefill rows [D, W) there (SDPA), rows past W are a compiled bucket's padding.
+// kv_cache [layers, 2, blocks, kvH, block_size, hd] contiguous; write_blocks/offsets [W];
+// block_tables [D, width] and context_lens [D], both absent when the step has no decodes.
 at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_in,
                              const at::Tensor& value_in, at::Tensor& kv_cache, int64_t layer,
                              const at::Tensor& write_blocks, const at::Tensor& write_offsets,
-                             const at::Tensor& block_tables, const at::Tensor& context_lens,
-                             double scale) {
+                             const std::optional<at::Tensor>& block_tables,
+                             const std::optional<at::Tensor>& context_lens, double scale) {
   TORCH_CHECK(query_in.dim() == 4 && key_in.dim() == 4 && value_in.dim() == 4 &&
                   query_in.size(0) == 1 && key_in.sizes() == value_in.sizes(),
               "paged_decode_step: query [1, H, T, hd], key and value [1, kvH, T, hd]");
@@ -445,15 +448,20 @@ at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_i
                   write_blocks.scalar_type() == at::kLong &&
                   write_offsets.scalar_type() == at::kLong && write_blocks.dim() == 1 &&
                   write_offsets.sizes() == write_blocks.sizes(),
-              "paged_decode_step: int64 write blocks and offsets, one per decode");
-  const int64_t num_seqs = write_blocks.size(0);
-  TORCH_CHECK(num_seqs >= 1 && num_seqs <= tokens, "paged_decode_step: 1..T decodes");
+              "paged_decode_step: int64 write blocks and offsets, one per new token");
+  const int64_t num_writes = write_blocks.size(0);
+  TORCH_CHECK(num_writes >= 1 && num_writes <= tokens, "paged_decode_step: 1..T new tokens");
+  TORCH_CHECK(block_tables.has_value() == context_lens.has_value(),
+              "paged_decode_step: block tables and context lengths come together");
+  const int64_t num_seqs = block_tables.has_value() ? block_tables->size(0) : 0;
+  TORCH_CHECK(num_seqs <= num_writes, "paged_decode_step: more decodes than new tokens");
   const int64_t* wb = write_blocks.data_ptr<int64_t>();
   const int64_t* wo = write_offsets.data_ptr<int64_t>();
-  for (int64_t i = 0; i < num_seqs; ++i)
+  for (int64_t i = 0; i < num_writes; ++i)
     TORCH_CHECK(wb[i] >= 0 && wb[i] < kv_cache.size(2) && wo[i] >= 0 && wo[i] < block_size,
                 "paged_decode_step: write slot out of range");
-  check_tables(block_tables, context_lens, num_seqs, block_size, kv_cache.size(2));
+  if (block_tables.has_value())
+    check_tables(*block_tables, *context_lens, num_seqs, block_size, kv_cache.size(2));
   at::Tensor out = at::empty({1, tokens, heads, head_dim}, query.options());
   if (tokens > num_seqs) out.narrow(1, num_seqs, tokens - num_seqs).zero_();
   const float sc = static_cast<float>(scale);
@@ -472,8 +480,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
   m.def("paged_decode_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
-        "int layer, Tensor write_blocks, Tensor write_offsets, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "int layer, Tensor write_blocks, Tensor write_offsets, Tensor? block_tables, "
+        "Tensor? context_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

@@ -4,6 +4,7 @@ paths against dense SDPA (fp32, 1e-5); the golden tests run it inside the model.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import subprocess
@@ -152,13 +153,13 @@ def test_the_fused_step_writes_and_attends_as_the_unfused_path(dtype: torch.dtyp
     attend(): the same pool afterwards and the same output bits, zeros in the padding rows,
     whatever the query's layout."""
     pool, q, kv, meta = decode_step(CONTEXTS, dtype, True)
-    assert meta.fused_decode
+    assert meta.fused_step
     pool_unfused = pool.clone()
     meta_unfused = AttentionMetadata(pool_unfused, meta.write_blocks, meta.write_offsets,
                                      meta.num_decodes, (), (), BLOCK,
                                      decode_tables=meta.decode_tables,
                                      decode_lens=meta.decode_lens)
-    assert not meta_unfused.fused_decode
+    assert not meta_unfused.fused_step
     scale = HEAD_DIM ** -0.5
     with torch.inference_mode():
         expected = attend(q, kv[0], kv[1], 0, scale, meta_unfused)  # [D, H, hd]
@@ -170,6 +171,57 @@ def test_the_fused_step_writes_and_attends_as_the_unfused_path(dtype: torch.dtyp
     assert torch.equal(pool, pool_unfused)
 
 
+def mixed_step(decodes: list[int], prefills: list[tuple[int, int]], dtype: torch.dtype,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One layer of a step with decodes (their context lengths) then prefill chunks (n new
+    tokens after c cached ones), in the runner's packed order, through the kernel path.
+    Returns the pool, q [1, H, T, hd], the new K/V [2, 1, kvH, T, hd] and the metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = decodes + [c + n for n, c in prefills]
+    pool = torch.randn(1, 2, sum(-(-n // BLOCK) for n in lengths) + 2, KV_HEADS, BLOCK,
+                       HEAD_DIM, generator=gen).to(dtype)
+    blocks = list(range(pool.shape[2]))
+    random.Random(seed).shuffle(blocks)
+    tables = [[blocks.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
+    slots = [t[(c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK for t, c in zip(tables, decodes)]
+    chunks, start = [], len(decodes)
+    for (n, c), table in zip(prefills, tables[len(decodes):]):
+        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(c, c + n)]
+        chunks.append((start, n, c, table))
+        start += n
+    meta = build_metadata(pool, BLOCK, slots, list(zip(tables, decodes)), chunks,
+                          torch.device("cpu"), paged_decode_kernel=True)
+    q = torch.randn(1, HEADS, start, HEAD_DIM, generator=gen).to(dtype)
+    kv = torch.randn(2, 1, KV_HEADS, start, HEAD_DIM, generator=gen).to(dtype)
+    return pool, q, kv, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decodes,prefills", [
+    ([5, 100, 17], [(40, 0), (7, 33)]),  # decodes, a fresh prompt, a chunk after 33 cached
+    ([], [(30, 0)]),  # a prefill-only step: writes only, no tables
+    ([64], [(1, 16)]),  # a one-token chunk on a block edge
+])
+def test_a_mixed_step_through_the_fused_op_equals_the_unfused_path(
+        dtype: torch.dtype, decodes: list[int], prefills: list[tuple[int, int]]) -> None:
+    """Decodes and prefill chunks in one step: the fused op writes every token's K/V and
+    attends the decodes, SDPA the chunks; the same bits and the same pool as attend()."""
+    pool, q, kv, meta = mixed_step(decodes, prefills, dtype)
+    assert meta.fused_step and (meta.decode_tables is None) == (not decodes)
+    pool_unfused = pool.clone()
+    meta_unfused = dataclasses.replace(meta, kv_cache=pool_unfused, fused_step=False)
+    scale = HEAD_DIM ** -0.5
+    with torch.inference_mode():
+        expected = attend(q[0], kv[0, 0], kv[1, 0], 0, scale, meta_unfused)  # [T, H, hd]
+        pad = torch.zeros(1, HEADS, 3, HEAD_DIM, dtype=dtype)  # a compiled bucket's padding
+        kv_pad = torch.zeros(1, KV_HEADS, 3, HEAD_DIM, dtype=dtype)
+        out = attend_step(torch.cat([q, pad], 2), torch.cat([kv[0], kv_pad], 2),
+                          torch.cat([kv[1], kv_pad], 2), 0, scale, meta)
+    assert torch.equal(out[0, :q.shape[2]], expected)
+    assert not out[0, q.shape[2]:].any()
+    assert torch.equal(pool, pool_unfused)
+
+
 def test_the_fused_step_checks_its_slots_and_layer() -> None:
     pool, q, kv, meta = decode_step([5, 20], torch.float32, True)
     op = torch.ops.pagedserve_cpu.paged_decode_step
@@ -178,11 +230,15 @@ def test_the_fused_step_checks_its_slots_and_layer() -> None:
     full = pool.shape[2]
     for blocks, offsets, message in (([0, full], [0, 0], "write slot out of range"),
                                      ([0, 0], [0, BLOCK], "write slot out of range"),
-                                     ([0, 0, 0], [0, 0], "one per decode")):
+                                     ([0, 0, 0], [0, 0], "one per new token")):
         with pytest.raises(RuntimeError, match=message):
             op(*args, 0, torch.tensor(blocks), torch.tensor(offsets), tables, lens, 1.0)
     with pytest.raises(RuntimeError, match="layer out of range"):
         op(*args, 1, meta.write_blocks, meta.write_offsets, tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="more decodes than new tokens"):
+        op(*args, 0, meta.write_blocks[:1], meta.write_offsets[:1], tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="come together"):
+        op(*args, 0, meta.write_blocks, meta.write_offsets, tables, None, 1.0)
 
 
 def test_backend_choice() -> None:

@@ -36,6 +36,7 @@ configs = st.builds(
     enable_prefix_caching=st.sampled_from([True, True, False]),
     long_prefill_token_threshold=st.integers(0, 8),
     decode_step_prefill_tokens=st.sampled_from([0, 0, 2, 5]),
+    decode_step_prefill_tokens_per_seq=st.sampled_from([0, 0, 2]),
     max_num_queued_reqs=st.sampled_from([0, 0, 0, 3]),
     max_num_queued_tokens=st.sampled_from([0, 0, 20]),
     policy=st.sampled_from(["fcfs", "priority"]),

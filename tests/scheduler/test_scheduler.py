@@ -107,6 +107,30 @@ def test_prompt_tokens_are_capped_while_others_decode() -> None:
     assert long2.output_token_ids == expected_output(long2.prompt_token_ids, 2)
 
 
+def test_the_prompt_cap_grows_with_the_decode_batch() -> None:
+    """decode_step_prefill_tokens_per_seq: 3 decoding sequences x 2 = 6 prompt tokens a step
+    (over the floor of 4); with one decoding, the floor."""
+    cfg = SchedulerConfig(decode_step_prefill_tokens=4, decode_step_prefill_tokens_per_seq=2)
+    assert [cfg.decode_step_prefill_cap(d) for d in (0, 1, 2, 3, 10)] == [0, 4, 4, 6, 20]
+    assert SchedulerConfig(decode_step_prefill_tokens_per_seq=2).decode_step_prefill_cap(9) == 0
+    sched = make_sched(max_num_batched_tokens=32, decode_step_prefill_tokens=4,
+                       decode_step_prefill_tokens_per_seq=2)
+    runner = FakeRunner(sched)
+    decoders = [make_seq(f"d{i}", list(range(10 * i + 300, 10 * i + 303)), max_tokens=20)
+                for i in range(3)]
+    for seq in decoders:
+        sched.add(seq)
+    out, _ = step(sched, runner)  # nothing decodes yet: the whole budget is for prompts
+    assert out.num_scheduled_tokens == [3, 3, 3]
+    long = make_seq("long", list(range(100, 120)), max_tokens=2)
+    sched.add(long)
+    out, _ = step(sched, runner)
+    assert dict(zip([s.seq_id for s in out.seqs], out.num_scheduled_tokens)) == {
+        "d0": 1, "d1": 1, "d2": 1, "long": 6}
+    drain(sched, runner)
+    assert long.output_token_ids == expected_output(long.prompt_token_ids, 2)
+
+
 def test_fcfs_order_and_head_of_line_blocking() -> None:
     # 6 blocks of 4: "big" cannot start while "a" holds blocks, and "small" waits behind it.
     sched = make_sched(num_blocks=6, enable_prefix_caching=False)

@@ -34,6 +34,7 @@ def test_sampling_params_defaults_and_flags() -> None:
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"block_size": 0}, "block_size"),
     ({"policy": "lifo"}, "policy"),
     ({"decode_step_prefill_tokens": -1}, "decode_step_prefill_tokens"),
+    ({"decode_step_prefill_tokens_per_seq": -1}, "decode_step_prefill_tokens_per_seq"),
 ])
 def test_scheduler_config_validation(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):

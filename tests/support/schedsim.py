@@ -76,12 +76,12 @@ class FakeRunner:
         return sampled
 
 
-def decoding(sched: Scheduler) -> bool:
-    """Call before schedule(): is some running sequence down to its last token?"""
-    return any(seq.num_uncomputed_tokens == 1 for seq in sched.running)
+def decoding(sched: Scheduler) -> int:
+    """Call before schedule(): how many running sequences are down to their last token?"""
+    return sum(seq.num_uncomputed_tokens == 1 for seq in sched.running)
 
 
-def check_output(sched: Scheduler, out: SchedulerOutput, was_decoding: bool = False) -> None:
+def check_output(sched: Scheduler, out: SchedulerOutput, was_decoding: int = 0) -> None:
     """What every SchedulerOutput must satisfy (`was_decoding`: decoding(sched) before it)."""
     cfg = sched.config
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
@@ -93,8 +93,8 @@ def check_output(sched: Scheduler, out: SchedulerOutput, was_decoding: bool = Fa
         assert seq.status == SequenceStatus.RUNNING and seq.seq_id not in out.preempted_ids
         assert seq.num_computed_tokens + n <= seq.num_tokens
     # While something decodes, prompt tokens (chunks of more than one) stay within the cap.
-    cap = cfg.decode_step_prefill_tokens
-    if cap and was_decoding:
+    cap = cfg.decode_step_prefill_cap(was_decoding)
+    if cap:
         assert sum(n for n in out.num_scheduled_tokens if n > 1) <= cap, out
     # Admission only uses budget the running sequences left over: none of them is skipped,
     # except a prefill that must wait for room under that cap.
