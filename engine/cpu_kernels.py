@@ -1,9 +1,9 @@
 """Our C++ CPU kernels (engine/csrc/), built on first use with the machine's g++ and cached.
 
 Today one kernel: paged decode attention (csrc/paged_decode.cpp), which reads each decode's
-K/V straight from the paged pool instead of gathering a padded copy (engine/attention.py). A
-decode-only step calls its fused form, paged_decode_step: the layer's K/V writes and its
-attention in one op call.
+K/V straight from the paged pool instead of gathering a padded copy (engine/attention.py).
+Every step calls its fused form, paged_decode_step: the layer's K/V writes and its decodes'
+attention in one op call (prompt chunks then go through SDPA).
 It is optional: without a compiler, or if the build fails, the engine logs why once and keeps
 the torch path, which gives the same results (tests/engine/test_cpu_kernels.py).
 
