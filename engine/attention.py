@@ -267,8 +267,8 @@ def fused_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
                scale: float, meta: AttentionMetadata) -> torch.Tensor:
     """attend_step through the CPU kernel: one call writes every new token's K/V and attends
     the decodes (rows from num_decodes on come back zero), then each prefill chunk's SDPA
-    fills its rows. Measured on the 2-core Sapphire Rapids, SmolLM2 bf16, 64 decodes + one
-    100-token prefill: the index_put writes alone were 4 ms of an 87 ms step."""
+    fills its rows. Measured on the 2-core Sapphire Rapids, SmolLM2 bf16, compiled, 64
+    decodes + one 100-token prompt against the unfused path, alternating: 83.8 -> 81.1 ms."""
     assert meta.kv_cache is not None, "the fused step needs the pool"
     out = torch.ops.pagedserve_cpu.paged_decode_step(
         query, key, value, meta.kv_cache, layer, meta.write_blocks, meta.write_offsets,
