@@ -275,10 +275,7 @@ def fused_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
         meta.decode_tables, meta.decode_lens, scale)  # [1, T, H, hd]
     if meta.prefills:
         k_pool, v_pool = meta.kv_cache[layer]
-        q, k, v = query[0], key[0], value[0]
-        for chunk in meta.prefills:
-            out[0, chunk.start:chunk.start + chunk.num_tokens] = prefill_attention(
-                q, k, v, k_pool, v_pool, chunk, scale)
+        attend_prefills(query[0], key[0], value[0], k_pool, v_pool, meta, scale, out[0])
     return out
 
 
@@ -302,6 +299,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale:
         assert k_pool is not None and v_pool is not None, "decodes read the pool"
         out[group.start:group.end] = decode_attention(q[:, group.start:group.end], k_pool,
                                                       v_pool, group, scale)
+    attend_prefills(q, k, v, k_pool, v_pool, meta, scale, out)
+    return out
+
+
+def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_pool: torch.Tensor | None, v_pool: torch.Tensor | None,
+                    meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Each prefill chunk's attention into its rows of out [T, H, hd] (q [H, T, hd], k/v
+    [kvH, T, hd]); the step's new K/V are in the pool already."""
     for chunk in meta.prefills:
         if meta.batch_invariant:
             assert k_pool is not None and v_pool is not None
@@ -309,7 +315,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale:
         else:
             part = prefill_attention(q, k, v, k_pool, v_pool, chunk, scale)
         out[chunk.start:chunk.start + chunk.num_tokens] = part
-    return out
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
