@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -77,6 +78,22 @@ def test_broken_gguf_leaves_no_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         converted_gguf(bad)
     assert not gguf_cache_dir(bad).exists()
     assert list((tmp_path / "cache").iterdir()) == []  # the temp dir was removed too
+
+
+def test_gguf_cache_is_keyed_by_content(monkeypatch: pytest.MonkeyPatch,
+                                       tmp_path: Path) -> None:
+    """A reinstall rewrites the same file with a new mtime: same cache. New bytes: new cache."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for path in (a, b):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF same bytes")
+    os.utime(b, ns=(10**18, 10**18))
+    assert gguf_cache_dir(a) == gguf_cache_dir(b)
+    assert gguf_cache_dir(a).parent == tmp_path / "cache" and gguf_cache_dir(a).name.startswith("m-")
+    b.write_bytes(b"GGUF other bytes")
+    os.utime(b, ns=(2 * 10**18, 2 * 10**18))
+    assert gguf_cache_dir(a) != gguf_cache_dir(b)
 
 
 def test_auto_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
