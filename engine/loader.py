@@ -198,6 +198,7 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     """`quantization`: see engine/quant.py (none, the default here, is HF's dense model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.fused_linears import fuse_projections, fusion_applies
     from engine.packed_linear import pack_linears, packing_applies
     from engine.quant import quantize_model, resolve_mode
 
@@ -212,6 +213,8 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     hf_model = hf_model.to(dev).eval()
     facts = model_facts(hf_model, tokenizer, name)  # before quantizing: it reads lm_head.weight
     quantize_model(hf_model, mode, source if source.is_file() else None)
+    if fusion_applies(dt, mode != "none", batch_invariant):  # before packing: it packs the result
+        fuse_projections(hf_model)
     if packing_applies(dev, dt, batch_invariant):
         pack_linears(hf_model)
     log.info("loaded %s (%s, %s, quantization %s) in %.2f s", name, dev, dt, mode,

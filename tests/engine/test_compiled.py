@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.modeling_outputs import BaseModelOutput
 
 from engine.compile import bucket_for, inductor_options, token_buckets
 from engine.config import EngineConfig
@@ -145,6 +146,73 @@ def test_the_cpu_wrapper_is_cpp_unless_the_user_chose(monkeypatch: pytest.Monkey
     assert inductor_options(torch.device("cuda")) == {}
     monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
     assert inductor_options(torch.device("cpu")) == {}
+
+
+class ToyDecoder(torch.nn.Module):
+    """A decoder with a plain Python constant: dynamo bakes it into the graph. With `breaks`,
+    its forward has a graph break (a print), so dynamo compiles that forward as a frame of its
+    own, whose code every ToyDecoder shares."""
+
+    def __init__(self, scale: float, breaks: bool) -> None:
+        super().__init__()
+        self.scale = scale
+        self.breaks = breaks
+        self.embed = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                use_cache: bool) -> BaseModelOutput:
+        hidden = self.embed(input_ids) * self.scale
+        if self.breaks:
+            print(end="")
+        return BaseModelOutput(last_hidden_state=hidden + position_ids[..., None] * self.scale)
+
+
+class Toy(torch.nn.Module):
+    def __init__(self, scale: float, breaks: bool) -> None:
+        super().__init__()
+        self.decoder = ToyDecoder(scale, breaks)
+
+    def get_decoder(self) -> torch.nn.Module:
+        return self.decoder
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return torch.nn.Identity()
+
+
+@pytest.mark.parametrize("breaks", [False, True])
+@torch.inference_mode()
+def test_guard_filter_keeps_the_shape_choice_and_each_model_its_own_graphs(
+        breaks: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's guards are dropped (keep_input_guards): the inputs' shapes still pick the
+    graph (two buckets), and two compiled models never run each other's graph, which dynamo's
+    cache per code object would do without a code object per CompiledForward (and, after a
+    graph break, in the model's own forward, if that frame's guards were dropped too)."""
+    from engine.attention import build_metadata
+    from engine.compile import CompiledForward, keep_input_guards
+
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")  # the Python wrapper: a faster compile
+    kept: list[tuple[int, int]] = []
+
+    def recording(entries: list) -> list[bool]:  # type: ignore[type-arg]
+        flags = keep_input_guards(entries)
+        kept.append((sum(flags), len(flags)))
+        return flags
+
+    monkeypatch.setattr("engine.compile.keep_input_guards", recording)
+    models = [Toy(2.0, breaks), Toy(3.0, breaks)]
+    compiled = [CompiledForward(m, 2) for m in models]  # buckets 1 and 2
+    for size in (1, 2, 1):
+        ids, pos = torch.arange(size)[None], torch.arange(size)[None]
+        meta = build_metadata(None, size, list(range(size)), [], [(0, size, 0, [0])],
+                              torch.device("cpu"))
+        for model, fwd in zip(models, compiled, strict=True):
+            want = model.decoder(ids, pos, False).last_hidden_state
+            assert torch.equal(fwd.hidden(ids, pos, meta), want)
+    filtered = [k for k, total in kept if k < total]  # frames of _body: the model's guards went
+    assert len(filtered) == 4  # one graph per model and size, no recompile
+    assert all(k >= 2 for k in filtered)  # the two inputs' tensor guards stayed
+    # with the break, the forward up to it and the rest of it are two more frames, all guards kept
+    assert len(kept) == (12 if breaks else 4)
 
 
 def test_op_outside_forward_context_is_an_error() -> None:
