@@ -52,7 +52,6 @@ class _QuantLinear(nn.Module):
         dense = f", dense above {self.dense_above} rows" if self.dense is not None else ""
         return f"in={self.in_features}, out={self.out_features}{dense}"
 
-
     def _concat_base(self, parts: Sequence[_QuantLinear]) -> bool:
         """Set up self (made by cls.__new__) as the parts concatenated along their outputs,
         everything but the kernel's own buffers. False if the parts differ in kind."""
