@@ -18,7 +18,10 @@ called computes every part at once and the group keeps the other parts' outputs,
 same input tensor, until the last part has taken its own. A part called with another tensor,
 or out of order, computes its own output through the fused linear (never a wrong one). The
 memo is cleared within the forward, so under torch.compile it is no more than a value flowing
-through the trace: the graph has one matmul per group and no guard on the memo but `is None`.
+through the trace: the graph has one matmul per group, and its one guard on the memo (`is
+None`) is among those engine/compile.py's guard filter drops. That is safe: the graph never
+reads the memo (it computes each group), and a memo left behind by a forward that raised
+holds its own input tensor, so no later input can be taken for it.
 
 The fused linear is whatever the parts were: nn.Linear (fused before engine/packed_linear.py
 packs it), or the int4/int8 modules of engine/quant_linear.py (their packed codes, scales and
