@@ -181,7 +181,7 @@ class Comparison:
         await warm_up(proc.base_url, specs[WARMUP], self.plan.num_warmups, body)
         loads = concurrency_loads(self.plan)
         for load in loads:
-            runs[load.name] = await self._one(name, proc, specs[load.name], load, body)
+            runs[load.name] = await self.run_load(name, proc, specs[load.name], load, body)
         if capacity.request_throughput is None and loads:
             top = loads[-1].name
             capacity.request_throughput = runs[top]["request_throughput"]
@@ -191,9 +191,9 @@ class Comparison:
         if not capacity.request_throughput:
             return  # nothing measured to derive rates from (every request failed)
         for load in poisson_loads(self.plan, capacity.request_throughput):
-            runs[load.name] = await self._one(name, proc, specs[load.name], load, body)
+            runs[load.name] = await self.run_load(name, proc, specs[load.name], load, body)
 
-    async def _one(self, name: str, proc: ServerProcess, specs: list[RequestSpec], load: Load,
+    async def run_load(self, name: str, proc: ServerProcess, specs: list[RequestSpec], load: Load,
                    body: dict[str, Any]) -> dict[str, Any]:
         m = await measure(proc.base_url, specs, load, extra_body=body, seed=self.args.seed,
                           server_pid=proc.pid, progress=f"{name} {load.name}")

@@ -6,13 +6,16 @@ vLLM's CPU build and Hugging Face generate(), the same client and the same promp
     .venv/bin/python -m benchmarks.fast_step --quick            # smoke run
 
 Steps: (1) the default server is started once with an empty compile cache and stopped: its
-first start-up time; (2) every variant (fast_step_targets.VARIANTS) is started in turn, warmed
-up and driven at max concurrency 1, 4, 16 and 64 with ~100-token prompts and 128 output tokens
-(ignore_eos, streaming, greedy); the default's start here, on the cache (1) left, is its
-second start-up time; (3) with no server running, HF generate() decodes the c=1 prompts one at
-a time in the same dtype: its ms per token is the reference of targets (b) and (c). A variant
-whose flag the server does not know is reported as `rejected-flag` with the server's own
-error line; the run goes on. Start-up time = process start to the first /health 200.
+first start-up time; (2) every variant (fast_step_targets.VARIANTS) is started, one at a time
+(the default's start, on the cache (1) left, is its second start-up time), warmed up and left
+running; (3) at max concurrency 1, 4, 16 and 64 in turn, every running server is driven with
+~100-token prompts and 128 output tokens (ignore_eos, streaming, greedy), a different server
+first at each level (benchmarks/interleave.py: the servers compared at one load are measured
+minutes apart at most, not a whole run apart); (4) with every server stopped, HF generate()
+decodes the c=1 prompts one at a time in the same dtype: its ms per token is the reference of
+targets (b) and (c). A variant whose flag the server does not know is reported as
+`rejected-flag` with the server's own error line; the run goes on. Start-up time = process
+start to the first /health 200.
 Writes <out>/<date>-<machine>-fast-step[-quick].json and a PNG next to it.
 """
 
@@ -36,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: benchmarks/ is not an installe
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, ServerProcess, machine_info, machine_slug, wait_for_idle
-from benchmarks.compare import WARMUP, Capacity, Comparison, Plan, ServerSpec, workloads
+from benchmarks.compare import WARMUP, Comparison, Plan, ServerSpec, workloads
 from benchmarks.fast_step_report import plot, print_report
 from benchmarks.fast_step_targets import (
     DEFAULT,
@@ -48,6 +51,7 @@ from benchmarks.fast_step_targets import (
     start_failure,
     summary_rows,
 )
+from benchmarks.interleave import bench_interleaved
 from benchmarks.loadgen import Tokenizer
 from benchmarks.serving_load import RequestSpec
 
@@ -176,19 +180,27 @@ def run(args: argparse.Namespace, registry: Mapping[str, ServerSpec], tok: Token
         run_specs = {v.name: VariantSpec(v, registry[v.server], tuple(env.items())) for v in chosen}
         comp = Comparison(args, plan, run_specs, tok, folder)  # its server_args, seed, startup_timeout
         for v in chosen:
-            if v.name == DEFAULT:
-                startup = first_startup(run_specs[v.name], folder, args.dtype, args.startup_timeout)
             unavailable = unavailable_reason(v)
             if unavailable:
                 print(f"\n[{v.name}] not run: {unavailable}", flush=True)
                 servers[v.name] = {"status": "unavailable", "reason": unavailable, "runs": {}}
-                continue
-            rec = classify(comp.bench_server(v.name, args.dtype, specs, Capacity(0.0, "none")))
-            rec["variant"] = asdict(v)
-            servers[v.name] = rec
-            if v.name == DEFAULT and "ready_s" in rec:
-                startup["second_s"] = rec["ready_s"]
-            partial.write_text(json.dumps({"servers": servers, "startup": startup}, default=str))
+
+        def first(name: str) -> None:  # the cold start, alone, before the default's own start
+            if name == DEFAULT:
+                startup.update(first_startup(run_specs[name], folder, args.dtype,
+                                             args.startup_timeout))
+
+        def save(records: dict[str, Any]) -> None:
+            partial.write_text(json.dumps({"servers": records, "startup": startup}, default=str))
+
+        names = [v.name for v in chosen if v.name not in servers]
+        records = bench_interleaved(comp, names, args.dtype, specs, save, first)
+        for v in chosen:  # in the variants' order, the unavailable ones included
+            if v.name in records:
+                servers[v.name] = classify(records[v.name]) | {"variant": asdict(v)}
+            servers[v.name].setdefault("variant", asdict(v))
+        if "ready_s" in servers.get(DEFAULT, {}):
+            startup["second_s"] = servers[DEFAULT]["ready_s"]
     hf: dict[str, Any] = (hf_reference(folder, args.dtype, tok, specs["c1"], plan.output_range[0])
           if HF in args.servers and "c1" in specs else {"status": "not run", "reason": "not asked"})
     loads = tuple(f"c{c}" for c in plan.concurrencies)

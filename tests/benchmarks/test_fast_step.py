@@ -25,6 +25,7 @@ from benchmarks.fast_step_targets import (
     start_failure,
     summary_rows,
 )
+from benchmarks.interleave import turn_order
 from tests.support.fake_sse_server import CharTokenizer
 
 FAKE_SERVER = Path(__file__).resolve().parents[1] / "support" / "fake_sse_server.py"
@@ -201,6 +202,25 @@ def test_tiny_run_end_to_end(tiny_run: tuple[dict[str, Any], Path]) -> None:
     assert path.name.endswith("-fast-step.json") and data["machine"]["cpu_count"]
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert not path.with_suffix(".partial.json").exists()  # written per server, gone at the end
+
+
+def test_loads_are_interleaved_each_led_by_another_server(
+        tiny_run: tuple[dict[str, Any], Path]) -> None:
+    srv = tiny_run[0]["servers"]
+    began = {(name, load): srv[name]["runs"][load]["started_at"]
+             for name in (DEFAULT, EAGER) for load in ("c1", "c16")}
+    # every server's c=1 before any server's c=16 ...
+    assert max(began[n, "c1"] for n in (DEFAULT, EAGER)) < min(began[n, "c16"] for n in (DEFAULT, EAGER))
+    # ... the default first at c=1, the eager one first at c=16
+    assert began[DEFAULT, "c1"] < began[EAGER, "c1"] and began[EAGER, "c16"] < began[DEFAULT, "c16"]
+    assert all(srv[n]["exit_code"] is not None and srv[n]["wall_s"] > 0 for n in (DEFAULT, EAGER))
+
+
+def test_turn_order_rotates() -> None:
+    names = ["a", "b", "c"]
+    assert [turn_order(names, i) for i in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert turn_order([], 3) == []
 
 
 def test_cli_defaults() -> None:

@@ -1,0 +1,107 @@
+"""Every server up at once, the loads taken in turn: at each concurrency every server runs
+before the next concurrency starts, the first one a different server each time.
+
+Run one after another (start, drive c=1..64, stop, next server), two servers' numbers at the
+same load are minutes apart, and on a shared 2-core box the machine's own speed drifts by
+~10% over such a span (two fast_step runs on 2026-12-05 saw one server's c=1 ITL move 10%
+between runs). Interleaved, the servers compared at one load are measured within a couple of
+minutes of each other, so drift moves them together and their ratio keeps less of it.
+
+The records have Comparison.bench_server's shape (command, description, runs, ready_s,
+models, started_at, stopped_at, wall_s, exit_code; error and log_tail on a failure), so the
+reports and checks read them unchanged. Servers start one at a time, each waiting for the one
+before to be healthy and warmed up, so a start-up time is never shared with another start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.common import ServerProcess
+from benchmarks.compare import WARMUP, Comparison, concurrency_loads
+from benchmarks.loadgen import get_models, warm_up
+from benchmarks.serving_load import RequestSpec
+
+ERRORS = (RuntimeError, TimeoutError, OSError)
+
+
+def turn_order(names: list[str], index: int) -> list[str]:
+    """Load `index`'s order: the list rotated by `index`, so each server leads one load."""
+    if not names:
+        return []
+    k = index % len(names)
+    return names[k:] + names[:k]
+
+
+def start(comp: Comparison, stack: contextlib.ExitStack, name: str, dtype: str,
+          specs: dict[str, list[RequestSpec]]) -> tuple[dict[str, Any], ServerProcess | None]:
+    """Start `name`, wait for /health, warm it up. -> (its record, the running server, or
+    None when it failed: the record then has the error and the server is stopped)."""
+    spec = comp.servers[name]
+    extra = comp.args.server_args.get(name, [])
+    proc = ServerProcess(name, lambda port: spec.command(comp.folder, dtype, port, extra))
+    rec: dict[str, Any] = {"command": proc.command, "description": getattr(spec, "description", ""),
+                           "runs": {}, "started_at": time.time(), "_t0": time.perf_counter()}
+    print(f"\n[{name} {dtype}] starting: {' '.join(proc.command)}", flush=True)
+    stack.enter_context(proc)
+    try:
+        proc.wait_healthy(comp.args.startup_timeout)
+        rec["ready_s"] = time.perf_counter() - rec["_t0"]
+        rec["models"] = get_models(proc.base_url)
+        asyncio.run(warm_up(proc.base_url, specs[WARMUP], comp.plan.num_warmups,
+                            spec.extra_body(True)))
+    except ERRORS as e:
+        fail(name, rec, proc, e)
+        return rec, None
+    print(f"[{name}] ready after {rec['ready_s']:.1f} s, warmed up", flush=True)
+    return rec, proc
+
+
+def fail(name: str, rec: dict[str, Any], proc: ServerProcess, e: BaseException) -> None:
+    rec["error"] = f"{e.__class__.__name__}: {e}"
+    rec["log_tail"] = proc.log_tail()
+    print(f"[{name}] FAILED: {rec['error']}", flush=True)
+    finish(rec, proc)
+
+
+def finish(rec: dict[str, Any], proc: ServerProcess) -> None:
+    rec["exit_code"] = proc.stop()
+    rec["stopped_at"] = time.time()
+    rec["wall_s"] = time.perf_counter() - rec.pop("_t0")
+
+
+def bench_interleaved(comp: Comparison, names: list[str], dtype: str,
+                      specs: dict[str, list[RequestSpec]],
+                      on_progress: Callable[[dict[str, dict[str, Any]]], None] = lambda r: None,
+                      before_start: Callable[[str], None] = lambda n: None,
+                      ) -> dict[str, dict[str, Any]]:
+    """Start every server in `names` (in order; `before_start(name)` runs first, e.g. a cold
+    start of its own), then each concurrency load on every live server in turn_order.
+    A server that fails to start, or fails a load, is stopped and left out of later loads.
+    `on_progress(records)` after every start and every load (a killed run keeps its numbers)."""
+    records: dict[str, dict[str, Any]] = {}
+    live: dict[str, ServerProcess] = {}
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            before_start(name)
+            records[name], proc = start(comp, stack, name, dtype, specs)
+            if proc is not None:
+                live[name] = proc
+            on_progress(records)
+        for i, load in enumerate(concurrency_loads(comp.plan)):
+            for name in turn_order([n for n in names if n in live], i):
+                proc, body = live[name], comp.servers[name].extra_body(True)
+                began = time.time()
+                try:
+                    m = asyncio.run(comp.run_load(name, proc, specs[load.name], load, body))
+                    records[name]["runs"][load.name] = m | {"started_at": began}
+                except ERRORS as e:
+                    fail(name, records[name], live.pop(name), e)
+            on_progress(records)
+        for name, proc in live.items():
+            finish(records[name], proc)
+    return records
