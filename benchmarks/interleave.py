@@ -7,6 +7,12 @@ same load are minutes apart, and on a shared 2-core box the machine's own speed 
 between runs). Interleaved, the servers compared at one load are measured within a couple of
 minutes of each other, so drift moves them together and their ratio keeps less of it.
 
+Before each load the machine must settle: another server can stay busy for a while after its
+own load ends (vLLM's CPU build was seen using ~1.2-1.6 CPU s after each of its loads, which
+the next server's load then paid: `foreign_cores` 0.07-0.2 for the server after it, ~0.03 for
+the others, on 2026-12-05 17:07), so the next load starts only once the whole machine has been
+idle for a short window (`settle`; the wait and what was seen go into the run's record).
+
 The records have Comparison.bench_server's shape (command, description, runs, ready_s,
 models, started_at, stopped_at, wall_s, exit_code; error and log_tail on a failure), so the
 reports and checks read them unchanged. Servers start one at a time, each waiting for the one
@@ -21,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common import ServerProcess
+from benchmarks.common import ServerProcess, wait_for_idle
 from benchmarks.compare import WARMUP, Comparison, concurrency_loads
 from benchmarks.loadgen import get_models, warm_up
 from benchmarks.serving_load import RequestSpec
@@ -35,6 +41,12 @@ def turn_order(names: list[str], index: int) -> list[str]:
         return []
     k = index % len(names)
     return names[k:] + names[:k]
+
+
+def settle() -> dict[str, Any]:
+    """Until the machine's busy cores over 1 s are below 0.15 (the load average lags a minute
+    behind, so it is not asked), 30 s at most."""
+    return wait_for_idle(0.15, 30.0, window_s=1.0, load_avg=False)
 
 
 def start(comp: Comparison, stack: contextlib.ExitStack, name: str, dtype: str,
@@ -95,10 +107,11 @@ def bench_interleaved(comp: Comparison, names: list[str], dtype: str,
         for i, load in enumerate(concurrency_loads(comp.plan)):
             for name in turn_order([n for n in names if n in live], i):
                 proc, body = live[name], comp.servers[name].extra_body(True)
+                calm = settle()
                 began = time.time()
                 try:
                     m = asyncio.run(comp.run_load(name, proc, specs[load.name], load, body))
-                    records[name]["runs"][load.name] = m | {"started_at": began}
+                    records[name]["runs"][load.name] = m | {"started_at": began, "settle": calm}
                 except ERRORS as e:
                     fail(name, records[name], live.pop(name), e)
             on_progress(records)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import fast_step
+from benchmarks import common, fast_step, interleave
 from benchmarks.baselines import vllm_cpu
 from benchmarks.compare import Plan
 from benchmarks.fast_step_targets import (
@@ -25,7 +25,6 @@ from benchmarks.fast_step_targets import (
     start_failure,
     summary_rows,
 )
-from benchmarks.interleave import turn_order
 from tests.support.fake_sse_server import CharTokenizer
 
 FAKE_SERVER = Path(__file__).resolve().parents[1] / "support" / "fake_sse_server.py"
@@ -174,6 +173,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], 
                                  "--compile-cache", str(out / "cache")])
     mp = pytest.MonkeyPatch()
     mp.setattr(fast_step, "wait_for_idle", lambda *a: {"idle": True, "stub": True})
+    mp.setattr(interleave, "settle", lambda: {"settled": True, "stub": True})
     try:
         return fast_step.run(args, REGISTRY, CharTokenizer(), out, plan=TINY, variants=VARIANTS)
     finally:
@@ -214,13 +214,25 @@ def test_loads_are_interleaved_each_led_by_another_server(
     # ... the default first at c=1, the eager one first at c=16
     assert began[DEFAULT, "c1"] < began[EAGER, "c1"] and began[EAGER, "c16"] < began[DEFAULT, "c16"]
     assert all(srv[n]["exit_code"] is not None and srv[n]["wall_s"] > 0 for n in (DEFAULT, EAGER))
+    assert all(srv[n]["runs"][load]["settle"]["stub"] for n in (DEFAULT, EAGER) for load in ("c1", "c16"))
+
+
+def test_wait_for_idle_without_the_load_average_waits_for_a_quiet_window(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Busy seconds the machine reports: 1 core busy in the first window, then 0.05."""
+    busy = iter([0.0, 0.01, 0.01, 0.0105])  # before/after of window 1, then of window 2
+    monkeypatch.setattr(common.CpuSample, "__init__",
+                        lambda self, pid: setattr(self, "busy_s", next(busy)))
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (9.0, 9.0, 9.0))  # never asked
+    got = common.wait_for_idle(0.15, 5.0, window_s=0.01, load_avg=False)
+    assert got["idle"] is True and got["busy_cores"] == 0.05 and got["waited_s"] < 5
 
 
 def test_turn_order_rotates() -> None:
     names = ["a", "b", "c"]
-    assert [turn_order(names, i) for i in range(4)] == [
+    assert [interleave.turn_order(names, i) for i in range(4)] == [
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
-    assert turn_order([], 3) == []
+    assert interleave.turn_order([], 3) == []
 
 
 def test_cli_defaults() -> None:
