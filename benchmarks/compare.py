@@ -194,7 +194,7 @@ class Comparison:
             runs[load.name] = await self.run_load(name, proc, specs[load.name], load, body)
 
     async def run_load(self, name: str, proc: ServerProcess, specs: list[RequestSpec], load: Load,
-                   body: dict[str, Any]) -> dict[str, Any]:
+                       body: dict[str, Any]) -> dict[str, Any]:
         m = await measure(proc.base_url, specs, load, extra_body=body, seed=self.args.seed,
                           server_pid=proc.pid, progress=f"{name} {load.name}")
         m.pop("output_lens", None)  # the workload section has the requested lengths
