@@ -24,6 +24,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
+        "cpu_features": cpu_features(),
         "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "load_avg_at_start": os.getloadavg(),
         "git_commit": _git_commit(),
@@ -50,6 +51,25 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+# The CPU flags that pick the kernels (bf16 dot products, AMX tiles, VNNI): "AMD EPYC" alone
+# names both an AVX2-only and an AVX512-BF16 machine here, whose numbers differ by 3-5x.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile",
+                "amx_bf16", "amx_int8")
+
+
+def cpu_features(cpuinfo: str | None = None) -> list[str]:
+    """Which of KERNEL_FLAGS the first CPU of /proc/cpuinfo (or `cpuinfo`) has."""
+    try:
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return [f for f in KERNEL_FLAGS if f in have]
+    return []
 
 
 def _git_commit() -> str | None:
