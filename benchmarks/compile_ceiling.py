@@ -211,8 +211,9 @@ def print_report(data: dict[str, Any]) -> None:
               f"{c['attention_ms']:7.1f} {c['rest_ms']:7.1f} {s['measured']:14.2f}x "
               f"{s['ceiling']:7.2f}x")
     w = data["workload"]
-    print(f"workload ({w['requests']} requests, {w['prompt_tokens']} in, {w['output_tokens']} out): "
-          f"eager/compiled {w['measured']:.2f}x, ceiling {w['ceiling']:.2f}x")
+    print(f"workload ({w['requests']} requests, {w['prompt_tokens']} in, "
+          f"{w['output_tokens']} out): eager/compiled {w['measured']:.2f}x, "
+          f"ceiling {w['ceiling']:.2f}x")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
