@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine import attention, batch_invariant, cpu_kernels
+from engine import attention, batch_invariant, cpu_kernels, huge_pages
 from engine.attention import AttentionMetadata, build_metadata
 from engine.compile import CompiledForward, use_cache_dir, wants_compile
 from engine.config import EngineConfig
@@ -129,10 +129,13 @@ class ModelRunner:
         return int(window)
 
     def _new_pool(self, num_blocks: int) -> torch.Tensor:
-        """One pool for all layers: [layers, K/V, blocks, kvH, block_size, hd]."""
+        """One pool for all layers: [layers, K/V, blocks, kvH, block_size, hd]; on the CPU on
+        huge pages where the OS has them (engine/huge_pages.py)."""
         f = self.facts
-        return torch.zeros(f.num_layers, 2, num_blocks, f.num_kv_heads, self.block_size,
-                           f.head_dim, dtype=self.dtype, device=self.device)
+        shape = (f.num_layers, 2, num_blocks, f.num_kv_heads, self.block_size, f.head_dim)
+        if self.device.type == "cpu":
+            return huge_pages.zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _block_bytes(self) -> int:
         f = self.facts
