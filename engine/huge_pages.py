@@ -17,6 +17,7 @@ exist (not Linux) or transparent huge pages are off, the pool is a plain `torch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from pathlib import Path
@@ -50,7 +51,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
     # One huge page more than needed, so the tensor can start on a 2 MB boundary.
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
+    with contextlib.suppress(OSError):  # refused (a sandbox's seccomp): plain pages, still right
+        buf.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds a reference to buf until freed
     start = -raw.data_ptr() % HUGE_PAGE
     pool = raw[start:start + nbytes].view(dtype).view(shape)
