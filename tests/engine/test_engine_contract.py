@@ -168,14 +168,20 @@ def test_shutdown_ends_open_streams_with_engine_dead(
     async def main() -> None:
         engine = make_engine()
         await start(engine)
-        stream = await engine.submit("open", PROMPT, LONG)
+        # As long as the context allows: after its first token, 59 more steps to go.
+        longest = SamplingParams(temperature=0.0, max_tokens=MAX_MODEL_LEN - len(PROMPT),
+                                 ignore_eos=True)
+        stream = await engine.submit("open", PROMPT, longest)
+        running = asyncio.Event()
 
         async def drain(s: AsyncIterator[RequestOutput]) -> None:
             async for _ in s:
-                pass
+                running.set()
 
         reader = asyncio.create_task(drain(stream))
-        await asyncio.sleep(0.05)
+        # Shut down as soon as the request is running, not after a fixed sleep: on a fast box
+        # a 50-token request could end within a 50 ms sleep, and its stream with it.
+        await asyncio.wait_for(running.wait(), 30)
         await engine.shutdown()
         with pytest.raises(EngineDeadError):
             await reader
