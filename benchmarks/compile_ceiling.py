@@ -26,6 +26,7 @@ benchmarks/results/compile-ceiling-<machine>.json with the machine description.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -38,9 +39,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, machine_info, machine_slug
+from benchmarks.profile_step_cost import step_of
 from scheduler.output import SchedulerOutput
-from scheduler.sampling_params import SamplingParams
-from scheduler.sequence import Sequence
 
 # Substrings of profiler op names, lower-cased; the first group that matches wins. Wrappers
 # (pagedserve::packed_linear, pagedserve::paged_attention) have small self times of their own.
@@ -151,20 +151,12 @@ def build_step(decodes: int, context: int, prompts: int, prompt_tokens: int, blo
                pool_blocks: int, rng: random.Random) -> SchedulerOutput:
     """`decodes` one-token rows at `context`, then `prompts` whole prompts of `prompt_tokens`,
     over sequences whose block tables cover their tokens (distinct blocks, in order)."""
-    params = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
-    rows = [(context, context - 1)] * decodes + [(prompt_tokens, 0)] * prompts
-    out, next_block = SchedulerOutput(), 0
-    for i, (total, computed) in enumerate(rows):
-        seq = Sequence(f"s{i}", [rng.randrange(1000, 3000) for _ in range(total)], params)
-        seq.num_computed_tokens = computed
-        blocks = -(-total // block_size)
-        seq.block_table = list(range(next_block, next_block + blocks))
-        next_block += blocks
-        out.seqs.append(seq)
-        out.num_scheduled_tokens.append(total - computed)
-    if next_block > pool_blocks:
-        raise ValueError(f"the step needs {next_block} KV blocks, the pool has {pool_blocks}")
-    return out
+    rows = [(context, context - 1, 1)] * decodes + [(prompt_tokens, 0, prompt_tokens)] * prompts
+    blocks = itertools.count()
+    step = step_of(rows, blocks, block_size, rng)
+    if (used := next(blocks)) > pool_blocks:
+        raise ValueError(f"the step needs {used} KV blocks, the pool has {pool_blocks}")
+    return step
 
 
 def shapes(args: argparse.Namespace) -> dict[str, tuple[int, int, int, int]]:

@@ -23,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +55,16 @@ def grid(quick: bool) -> list[Point]:
 def build_step(point: Point, block_size: int, rng: random.Random) -> SchedulerOutput:
     """One step of `point`'s shape over sequences whose block tables cover their tokens."""
     d, ctx, p, cached = point
-    blocks = itertools.cycle(range(POOL_BLOCKS))
+    rows = [(ctx, ctx - 1, 1)] * d + ([(cached + p, cached, p)] if p else [])
+    return step_of(rows, itertools.cycle(range(POOL_BLOCKS)), block_size, rng)
+
+
+def step_of(rows: list[tuple[int, int, int]], blocks: Iterator[int], block_size: int,
+            rng: random.Random) -> SchedulerOutput:
+    """A step of one sequence per (total tokens, computed before, scheduled now) row, with
+    random ordinary tokens and block tables covering them, drawn in turn from `blocks`."""
     params = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
     out = SchedulerOutput()
-    rows = [(ctx, ctx - 1, 1)] * d + ([(cached + p, cached, p)] if p else [])
     for i, (total, computed, n) in enumerate(rows):
         seq = Sequence(f"s{i}", [rng.choice(TOKENS) for _ in range(total)], params)
         seq.num_computed_tokens = computed

@@ -46,7 +46,7 @@ def huge_pages_apply(nbytes: int) -> bool:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor, on huge pages where huge_pages_apply."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not huge_pages_apply(nbytes):
         return torch.zeros(shape, dtype=dtype)
     # One huge page more than needed, so the tensor can start on a 2 MB boundary.
