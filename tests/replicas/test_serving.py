@@ -13,7 +13,7 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -62,6 +62,21 @@ def wait_idle(url: str, timeout: float = 30.0) -> None:
         if not busy:
             return
         assert time.monotonic() < deadline, f"replicas not idle: {busy}"
+        time.sleep(0.1)
+
+
+def wait_reported(url: str, done: Callable[[dict[str, dict[str, float]]], bool],
+                  timeout: float = 30.0) -> dict[str, dict[str, float]]:
+    """The first /metrics read where every replica is idle and `done` holds. The ingress
+    shows each replica's last report (pushed every REPORT_PERIOD_S, read as often), so a
+    fixed sleep after a request may still see counters from before it: poll instead."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = replica_metrics(url)
+        idle = not any(m[RUNNING].values()) and m[FREE] == m[TOTAL]
+        if idle and done(m):
+            return m
+        assert time.monotonic() < deadline, "the replicas' reports never showed it"
         time.sleep(0.1)
 
 
@@ -145,9 +160,10 @@ def test_client_disconnect_frees_the_replicas_kv_blocks(url: str) -> None:
         got = [ln for _, ln in zip(range(3), (x for x in r.iter_lines() if x.startswith("data")),
                                    strict=False)]
         assert len(got) == 3
-    wait_idle(url, timeout=10)  # hung up mid-stream: aborted, its blocks back in the pool
-    time.sleep(0.6)  # the replicas' last reports (every 0.25 s)
-    computed = sum(replica_metrics(url)[steps].values()) - before
+    # Hung up mid-stream: aborted, its blocks back in the pool. An idle report may predate
+    # the request (reports lag up to ~2 x REPORT_PERIOD_S), so wait for one that has its prompt.
+    m = wait_reported(url, lambda m: sum(m[steps].values()) - before >= 200, timeout=10)
+    computed = sum(m[steps].values()) - before
     assert 200 <= computed < 200 + 300 - 50, computed
     text = httpx.get(url + "/metrics", timeout=10).text
     assert 'finished_reason="abort"' in text
@@ -267,10 +283,11 @@ def affinity_workload(seed: int) -> list[list[int]]:
 
 def prefix_misses(url: str, prompts: list[list[int]], in_flight: int = 8) -> float:
     """Prompt tokens not found in the prefix cache, summed over replicas (from /metrics)."""
-    def missed() -> float:
-        m = replica_metrics(url)
-        return (sum(m["pagedserve:prefix_cache_queries_total"].values())
-                - sum(m["pagedserve:prefix_cache_hits_total"].values()))
+    def queried(m: dict[str, dict[str, float]]) -> float:
+        return sum(m["pagedserve:prefix_cache_queries_total"].values())
+
+    def missed(m: dict[str, dict[str, float]]) -> float:
+        return queried(m) - sum(m["pagedserve:prefix_cache_hits_total"].values())
 
     async def run() -> None:
         gate = asyncio.Semaphore(in_flight)
@@ -283,10 +300,12 @@ def prefix_misses(url: str, prompts: list[list[int]], in_flight: int = 8) -> flo
             await asyncio.gather(*(one(p) for p in prompts))
 
     wait_idle(url)
-    before = missed()
+    before = replica_metrics(url)
     asyncio.run(run())
-    time.sleep(0.6)  # the replicas' last reports (every 0.25 s)
-    return missed() - before
+    # Every prompt is counted at its admission: wait for the reports that hold them all.
+    prompt_tokens = sum(map(len, prompts))
+    after = wait_reported(url, lambda m: queried(m) - queried(before) >= prompt_tokens)
+    return missed(after) - missed(before)
 
 
 def test_prefix_aware_routing_misses_fewer_prefix_tokens(cluster: RayCluster,
