@@ -47,8 +47,9 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
     "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16 (default: auto)"),
     "--device": ("device", str, "auto | cpu | cuda | cuda:N (default: auto)"),
     "--quantization": ("quantization", str,
-                       ("weights: auto (a GGUF keeps its Q4/Q8 weights, safetensors stays "
-                        "dense) | none (dense) | int8 | int4 (quantized at load) (default: "
+                       ("weights: auto (in bfloat16 a GGUF keeps its Q4/Q8 weights; "
+                        "safetensors, or any other dtype, stays dense) | none (dense) | int8 | "
+                        "int4 (quantized at load; the kernels compute in bfloat16) (default: "
                         "auto)")),
     "--attention-backend": ("attention_backend", str,
                             ("decode attention on the CPU: auto (our C++ paged-decode kernel, "

@@ -206,7 +206,7 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     folder = converted_gguf(source) if source.is_file() else source
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    mode = resolve_mode(quantization, source.is_file(), dev, batch_invariant)
+    mode = resolve_mode(quantization, source.is_file(), dev, dt, batch_invariant)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     hf_model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)

@@ -1,9 +1,11 @@
 """`--quantization`: which linear layers of a loaded HF model become int4/int8 modules.
 
 - `none`: dense weights (a GGUF file is dequantized, as before).
-- `auto` (default): a GGUF file keeps its own quantization where a kernel exists (Q4_0/Q4_1
-  -> int4 with the file's groups of 32, bit for bit; Q8_0 -> int8); other tensor types are
-  dequantized. A safetensors model stays dense.
+- `auto` (default): in bfloat16, a GGUF file keeps its own quantization where a kernel exists
+  (Q4_0/Q4_1 -> int4 with the file's groups of 32, bit for bit; Q8_0 -> int8); other tensor
+  types are dequantized. A safetensors model stays dense, and so does every model in another
+  dtype: the kernels compute in bfloat16 (KERNEL_DTYPE), and a user who asks for float32
+  asks for float32 arithmetic, the one whose greedy tokens equal HF's whatever the batch.
 - `int8`: every linear (lm_head included) int8 with a scale per output row.
 - `int4`: every decoder linear int4 groupwise (a GGUF's Q4 tensors as they are, other weights
   quantized at load with groups of INT4_GROUP_SIZE); lm_head int8, because the output layer
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.quant_linear import Int4Linear, Int8Linear
+from engine.quant_linear import KERNEL_DTYPE, Int4Linear, Int8Linear
 from engine.quant_pack import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
@@ -37,13 +39,16 @@ INT4_GROUP_SIZE = 32  # groups of 32: perplexity +% vs 64 in docs/quantization.m
 DENSE_ABOVE_ROWS = 8  # crossover measured on the real model, docs/quantization.md
 
 
-def resolve_mode(mode: str, gguf: bool, device: torch.device, batch_invariant: bool) -> str:
+def resolve_mode(mode: str, gguf: bool, device: torch.device, dtype: torch.dtype,
+                 batch_invariant: bool) -> str:
     """The mode that actually applies: `auto` on a safetensors model, on CUDA (the int4/int8
-    kernels used here are the CPU ones) or in batch-invariant mode is `none`."""
+    kernels used here are the CPU ones), in batch-invariant mode or in a dtype other than the
+    kernels' own (bfloat16) is `none`: auto never changes the arithmetic the dtype asked for."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}")
     if mode == "auto":
-        return "auto" if gguf and device.type == "cpu" and not batch_invariant else "none"
+        keeps = gguf and device.type == "cpu" and dtype == KERNEL_DTYPE and not batch_invariant
+        return "auto" if keeps else "none"
     if mode != "none" and device.type != "cpu":
         raise ValueError(f"--quantization {mode} is implemented for the CPU only")
     if mode != "none" and batch_invariant:
@@ -78,9 +83,20 @@ def quantize_model(model: Any, mode: str, gguf: Path | None,
         extra += sum(b.numel() * b.element_size() for b in new.buffers())
     kept = "no dense copies" if dense_above is None else f"dense copies kept for steps above " \
         f"{dense_above} rows"
-    log.info("quantization %s: %d linears replaced, +%.1f MB of quantized weights (%s)", mode,
-             replaced, extra / 2**20, kept)
+    computes = str(KERNEL_DTYPE).removeprefix("torch.")
+    log.info("quantization %s: %d linears replaced, +%.1f MB of quantized weights (%s); the "
+             "quantized kernels compute in %s%s", mode, replaced, extra / 2**20, kept, computes,
+             _dtype_note(getattr(model, "dtype", KERNEL_DTYPE)))
     return replaced
+
+
+def _dtype_note(model_dtype: torch.dtype) -> str:
+    """The warning a user of another dtype needs: the kernels do not compute in it."""
+    if model_dtype == KERNEL_DTYPE:
+        return ""
+    name = str(model_dtype).removeprefix("torch.")
+    return (f", not the model's {name}: greedy tokens can differ from a dense {name} run's and "
+            f"change with the batch (--quantization none keeps {name} arithmetic)")
 
 
 def _native(gguf: Path | None, model: Any) -> dict[str, Int4Weight | Int8Weight]:

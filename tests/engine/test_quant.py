@@ -122,14 +122,32 @@ def test_kernel_choice_by_rows(cls: str) -> None:
 
 
 def test_resolve_mode() -> None:
-    assert resolve_mode("auto", gguf=True, device=CPU, batch_invariant=False) == "auto"
-    assert resolve_mode("auto", gguf=False, device=CPU, batch_invariant=False) == "none"
-    assert resolve_mode("auto", gguf=True, device=CPU, batch_invariant=True) == "none"
-    assert resolve_mode("int4", gguf=False, device=CPU, batch_invariant=False) == "int4"
+    bf16 = torch.bfloat16
+    assert resolve_mode("auto", gguf=True, device=CPU, dtype=bf16, batch_invariant=False) == "auto"
+    assert resolve_mode("auto", gguf=False, device=CPU, dtype=bf16, batch_invariant=False) == "none"
+    assert resolve_mode("auto", gguf=True, device=CPU, dtype=bf16, batch_invariant=True) == "none"
+    assert resolve_mode("int4", gguf=False, device=CPU, dtype=bf16, batch_invariant=False) == "int4"
     with pytest.raises(ValueError, match="batch-invariant"):
-        resolve_mode("int8", gguf=False, device=CPU, batch_invariant=True)
+        resolve_mode("int8", gguf=False, device=CPU, dtype=bf16, batch_invariant=True)
     with pytest.raises(ValueError, match="CPU only"):
-        resolve_mode("int4", gguf=False, device=torch.device("cuda"), batch_invariant=False)
+        resolve_mode("int4", gguf=False, device=torch.device("cuda"), dtype=bf16,
+                     batch_invariant=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_auto_keeps_dense_arithmetic_outside_the_kernels_dtype(dtype: torch.dtype) -> None:
+    """The kernels compute in bfloat16: `auto` in another dtype keeps the GGUF dense (issue 30:
+    in float32 small steps ran in bf16 and greedy tokens left HF's); an explicit mode still
+    quantizes, as asked."""
+    assert resolve_mode("auto", gguf=True, device=CPU, dtype=dtype, batch_invariant=False) == "none"
+    assert resolve_mode("int4", gguf=True, device=CPU, dtype=dtype, batch_invariant=False) == "int4"
+
+
+def test_the_log_says_the_kernels_compute_in_bf16(tiny_llama: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="engine.quant"):
+        load_model(str(tiny_llama), device="cpu", dtype="float32", quantization="int8")
+    assert "kernels compute in bfloat16, not the model's float32" in caplog.text
 
 
 def test_config_and_cli_accept_only_known_modes() -> None:
