@@ -19,6 +19,7 @@ from typing import Any
 from api.errors import bad_request
 from api.options import MAX_REQUEST_ID
 from api.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_TOKEN_IDS
+from engine.protocol import FLOAT32_MAX, REPETITION_PENALTY_RANGE
 
 logger = logging.getLogger("pagedserve.api")
 
@@ -98,7 +99,7 @@ FIELDS: tuple[Field, ...] = (
     # ---- OpenAI sampling and output ----
     Field("max_tokens", _t("integer", minimum=0)),
     Field("max_completion_tokens", _t("integer", minimum=1), routes=frozenset({CHAT})),
-    Field("temperature", _t("number", minimum=0)),
+    Field("temperature", _t("number", minimum=0, maximum=FLOAT32_MAX)),
     Field("top_p", _t("number", exclusiveMinimum=0, maximum=1)),
     Field("n", _t("integer", minimum=1, maximum=MAX_N)),
     Field("stop", _any_of({"type": "string", "minLength": 1},
@@ -125,7 +126,8 @@ FIELDS: tuple[Field, ...] = (
     # ---- vLLM sampling ----
     Field("top_k", _t("integer", minimum=-1)),
     Field("min_p", _t("number", minimum=0, maximum=1)),
-    Field("repetition_penalty", _t("number", exclusiveMinimum=0)),
+    Field("repetition_penalty", _t("number", minimum=REPETITION_PENALTY_RANGE[0],
+                                   maximum=REPETITION_PENALTY_RANGE[1])),
     Field("min_tokens", _t("integer", minimum=0)),
     Field("stop_token_ids", _t("array", maxItems=MAX_STOP_TOKEN_IDS,
                                items={"type": "integer", "minimum": 0})),

@@ -6,8 +6,11 @@ counted in engine/step_stats.py.
 Every way a request ends (EOS or length, stop string, abort, timeout, a failed step) goes
 through `_end`, which asks the scheduler to finish its sequence (the scheduler alone writes a
 Sequence's status), forgets the request and builds its final delta. A step whose forward or
-postprocessing raises does not raise out of step(): its requests end with error_code
-STEP_FAILED and the others go on (`consecutive_failures` tells the caller when to give up).
+postprocessing raises does not raise out of step(). Where the runner can tell whose inputs
+failed (RequestFault: a row's sampling, its prompt logprobs, an id outside the vocabulary)
+or a request's own text or stop check raised, those requests alone end with STEP_FAILED and
+the others run on; any other failure ends the step's requests and counts in
+`consecutive_failures`, which tells the caller when to give up.
 
 Single-threaded by contract: AsyncEngine calls every method from its one engine thread.
 """
@@ -33,7 +36,7 @@ from engine.request_outputs import (
     sampled_logprobs,
     text_ids,
 )
-from engine.runner_output import RunnerOutput
+from engine.runner_output import RequestFault, RunnerOutput
 from engine.step_stats import IterationTokens, engine_stats
 from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -196,6 +199,8 @@ class LLMEngine:
             return outputs
         try:
             self._run(batch, outputs)
+        except RequestFault as e:  # some requests' own inputs: theirs alone, not the engine's
+            outputs += self._fail_requests(e.seq_ids, e)
         except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the engine
             outputs += self._fail_step(batch, e)
         else:
@@ -218,7 +223,11 @@ class LLMEngine:
             outputs.append(self._end(self.requests[seq.seq_id], error_code=ErrorCode.STEP_FAILED,
                                      error="the grammar refused a token its mask allowed"))
         for seq in updated:
-            out = self._make_output(seq, result)
+            try:
+                out = self._make_output(seq, result)
+            except Exception as e:  # noqa: BLE001 - its text or stops failed: it alone ends
+                outputs += self._fail_requests([seq.seq_id], e)
+                continue
             if out is not None:
                 outputs.append(out)
 
@@ -242,6 +251,17 @@ class LLMEngine:
         return [self._end(req, error=f"engine step failed: {error}",
                           error_code=ErrorCode.STEP_FAILED)
                 for req, seq in zip(reqs, batch.seqs) if req is not None and req.seq is seq]
+
+    def _fail_requests(self, seq_ids: list[str], error: Exception) -> list[RequestOutput]:
+        """End these requests with STEP_FAILED (a 500 for each): the step failed on their own
+        inputs. The rest of the step, if it did not complete, is scheduled again (nothing
+        was advanced: the scheduler moves sequences only in postprocess), and the engine's
+        failure count is untouched, so requests cannot drive it to be declared dead."""
+        logger.warning("request(s) %s failed: %s", ", ".join(seq_ids),
+                       "".join(traceback.format_exception(error)))
+        reqs = [self.requests.get(seq_id) for seq_id in seq_ids]
+        return [self._end(req, error=f"request failed in the engine: {error}",
+                          error_code=ErrorCode.STEP_FAILED) for req in reqs if req is not None]
 
     def _expire_deadlines(self, now: float) -> list[RequestOutput]:
         """Finish every request whose deadline has passed (its blocks are freed at once)."""

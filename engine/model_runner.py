@@ -23,7 +23,7 @@ from engine.attention import AttentionMetadata, build_metadata
 from engine.compile import CompiledForward, use_cache_dir, wants_compile
 from engine.config import EngineConfig
 from engine.loader import cache_root, load_model
-from engine.runner_output import RunnerOutput
+from engine.runner_output import RequestFault, RunnerOutput
 from engine.sampler import compute_prompt_logprobs, sample
 from engine.sampling_batch import GrammarMasks, SamplingBatch, SamplingBatchBuilder
 from engine.step_tensors import to_device
@@ -242,7 +242,7 @@ class ModelRunner:
             return output
         step = self._prepare(batch, masks)
         logits = self._forward(step.input_ids, step.position_ids, step.metadata, step.keep)
-        self._sample(step, logits, output)
+        self._sample(step, logits, output, batch, masks)
         self._prompt_logprobs(step, logits, output)
         return output
 
@@ -319,16 +319,39 @@ class ModelRunner:
             return first, []
         return first, seq.token_ids[first + 1:end + 1]
 
-    def _sample(self, step: StepInputs, logits: torch.Tensor, output: RunnerOutput) -> None:
+    def _sample(self, step: StepInputs, logits: torch.Tensor, output: RunnerOutput,
+                batch: SchedulerOutput, masks: GrammarMasks | None) -> None:
+        """Sample the step's rows. A failure is put on the rows that fail alone (RequestFault);
+        a token id outside the vocabulary never leaves here (it would index the embedding)."""
         if step.sample_rows is None or step.sampling is None:
             return
         # A decode-only step samples every row in order: no [S, V] copy (64 x 49152 bf16: 6 MB)
         rows = logits if step.samples_every_row else logits.index_select(0, step.sample_rows)
-        tokens, logprobs = sample(rows, step.sampling)
+        try:
+            tokens, logprobs = sample(rows, step.sampling)
+        except Exception as e:  # find whose inputs it was, else re-raise
+            raise self._blame(rows, step.sample_ids, batch, masks, e) from e
+        bad = [sid for sid, t in zip(step.sample_ids, tokens) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestFault(bad, "sampled a token id outside the vocabulary")
         for seq_id, token, lp in zip(step.sample_ids, tokens, logprobs, strict=True):
             output.sampled_token_ids[seq_id] = token
             if lp is not None:
                 output.logprobs[seq_id] = lp
+
+    def _blame(self, rows: torch.Tensor, seq_ids: list[str], batch: SchedulerOutput,
+               masks: GrammarMasks | None, error: Exception) -> Exception:
+        """Sample each row alone (only after a failure: one small draw per row): the rows that
+        fail by themselves are the culprits; none means the batch failed as a whole."""
+        seqs = {seq.seq_id: seq for seq in batch.seqs}
+        culprits = []
+        for i, seq_id in enumerate(seq_ids):
+            one = self.sampling.build([seqs[seq_id]], self.device, _masks_of(masks, seq_id))
+            try:
+                sample(rows[i:i + 1], one)
+            except Exception:  # noqa: BLE001 - this row's inputs fail on their own
+                culprits.append(seq_id)
+        return RequestFault(culprits, f"sampling failed: {error}") if culprits else error
 
     def _prompt_logprobs(self, step: StepInputs, logits: torch.Tensor,
                          output: RunnerOutput) -> None:
@@ -336,7 +359,18 @@ class ModelRunner:
             assert step.prompt_targets is not None
             target = step.prompt_targets[p.offset:p.offset + p.count]
             rows = logits[p.row:p.row + p.count].float()
-            output.prompt_logprobs[p.seq_id] = compute_prompt_logprobs(rows, target, p.top_n)
+            try:
+                output.prompt_logprobs[p.seq_id] = compute_prompt_logprobs(rows, target, p.top_n)
+            except Exception as e:  # one request's rows, one request's failure
+                raise RequestFault([p.seq_id], f"prompt logprobs failed: {e}") from e
+
+
+def _masks_of(masks: GrammarMasks | None, seq_id: str) -> GrammarMasks | None:
+    """One sequence's grammar mask out of a step's (None if it has none)."""
+    if masks is None or seq_id not in masks.seq_ids:
+        return None
+    i = masks.seq_ids.index(seq_id)
+    return GrammarMasks((seq_id,), masks.bitmask[i:i + 1])
 
 
 def _usable_cores() -> int:

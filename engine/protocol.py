@@ -18,11 +18,19 @@ from typing import Any, Protocol
 from engine.outputs import ErrorCode, RequestOutput
 from scheduler.errors import InvalidParamError, PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.limits import EngineLimits
-from scheduler.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from scheduler.sampling_params import (
+    FLOAT32_MAX,
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __all__ = [
+    "FLOAT32_MAX",
     "ITERATION_TOKEN_BUCKETS",
     "MAX_LOGPROBS",
+    "REPETITION_PENALTY_RANGE",
     "ChatTemplateArgs",
     "EngineClient",
     "EngineDeadError",

@@ -31,3 +31,15 @@ class RunnerOutput:
     # position p (< num_prompt_tokens - 1) yields the logprob of prompt token p + 1
     # (only when params.prompt_logprobs is not None)
     prompt_logprobs: dict[str, list[TokenLogprobIds]] = field(default_factory=dict)
+
+
+class RequestFault(Exception):
+    """A step failed because of some requests' own inputs, and the runner knows whose: the
+    engine fails those requests alone, the others in the step run again in the next one, and
+    the failure does not count toward declaring the engine dead (which only failures that no
+    request's input explains do). `seq_ids`: the requests to blame."""
+
+    def __init__(self, seq_ids: list[str], reason: str) -> None:
+        super().__init__(f"{reason} (requests {', '.join(seq_ids)})")
+        self.seq_ids = seq_ids
+        self.reason = reason

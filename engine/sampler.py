@@ -74,7 +74,7 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     k = min(_TOP_P_CANDIDATES, probs.shape[1])
     vals, ids = probs.topk(k, dim=-1)  # [n, k], best first
     cum = vals.cumsum(-1)
-    out = torch.zeros_like(probs).scatter_(1, ids, vals * ((cum - vals) < p))
+    out = torch.zeros_like(probs).scatter_(1, ids, vals * _nucleus(cum, vals, p))
     if k < probs.shape[1]:
         wide = (cum[:, -1] < p[:, 0]).nonzero().squeeze(1)  # [w] rows not settled
         if wide.numel():
@@ -84,8 +84,17 @@ def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _top_p_sorted(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     vals, ids = probs.sort(dim=-1, descending=True)  # [n, V]
-    keep = (vals.cumsum(-1) - vals) < p  # mass before the token has not yet reached p
-    return torch.zeros_like(probs).scatter_(1, ids, vals * keep)
+    return torch.zeros_like(probs).scatter_(1, ids, vals * _nucleus(vals.cumsum(-1), vals, p))
+
+
+def _nucleus(cum: torch.Tensor, vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Which of the best-first vals [n, k] (cum their running sum) top-p keeps: those whose
+    preceding mass has not yet reached p, and always the best one (vLLM's rule): a top_p that
+    is 0 in float32 (5e-324) would otherwise keep nothing, and a draw from no mass returned
+    the id one past the vocabulary."""
+    keep = (cum - vals) < p
+    keep[:, 0] = True
+    return keep
 
 
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

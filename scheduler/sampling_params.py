@@ -15,6 +15,12 @@ from scheduler.errors import InvalidParamError
 
 # OpenAI allows at most 20 top logprobs per token; vLLM keeps the same cap by default.
 MAX_LOGPROBS = 20
+# The sampler works in float32: a temperature past its largest finite value becomes inf
+# (and -inf / inf is NaN). A repetition penalty divides or multiplies logits: within
+# [1e-4, 1e4] a logit stays finite up to |3.4e34|, far past any model's, while 5e-324
+# (which the JSON schema's "> 0" allowed) is 0 in float32 and turned logits into inf.
+FLOAT32_MAX = 3.4028234663852886e38
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
 
 
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
@@ -61,7 +67,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 0, "max_tokens", "must be >= 0")
-        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(_in(self.temperature, 0, FLOAT32_MAX), "temperature",
+               f"must be >= 0 and <= {FLOAT32_MAX:.7g} (a finite float32)")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or a positive integer")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
@@ -69,11 +76,9 @@ class SamplingParams:
         _check(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         _check(_in(self.presence_penalty, -2, 2), "presence_penalty", "must be in [-2, 2]")
         _check(_in(self.frequency_penalty, -2, 2), "frequency_penalty", "must be in [-2, 2]")
-        _check(
-            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty",
-            "must be > 0",
-        )
+        lo, hi = REPETITION_PENALTY_RANGE
+        _check(_in(self.repetition_penalty, lo, hi), "repetition_penalty",
+               f"must be in [{lo:g}, {hi:g}]")
         _check(all(_in(b, -100, 100) for b in self.logit_bias.values()), "logit_bias",
                "values must be in [-100, 100]")
         _check(all(t >= 0 for t in self.logit_bias), "logit_bias", "token ids must be >= 0")

@@ -24,11 +24,11 @@ def target_logits(runner: ModelRunner, others: list[list[int]], chunk: int,
     seen: list[torch.Tensor] = []
     original = runner._sample
 
-    def capture(step, logits, output):  # type: ignore[no-untyped-def]
+    def capture(step, logits, output, batch, masks):  # type: ignore[no-untyped-def]
         if step.sample_rows is not None and "target" in step.sample_ids:
             row = step.sample_rows[step.sample_ids.index("target")]
             seen.append(logits[row].clone())
-        original(step, logits, output)
+        original(step, logits, output, batch, masks)
 
     seqs: list[Sequence] = [greedy_seq(f"o{i}", p, 10) for i, p in enumerate(others)]
     seqs.append(greedy_seq("target", TARGET, 8))

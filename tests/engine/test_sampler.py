@@ -21,6 +21,7 @@ from engine.sampler import (
     token_logprobs,
 )
 from engine.sampling_batch import Penalties, SamplingBatchBuilder, build_penalties, seeded_uniform
+from scheduler.errors import InvalidParamError
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 
@@ -127,6 +128,15 @@ def test_top_p_wide_nucleus_falls_back_to_full_sort() -> None:
     apply_top_p(probs, torch.tensor([0.9]))
     assert set((probs[0] > 0).nonzero().squeeze(1).tolist()) == set(keep.tolist())
     assert 256 < len(keep) < 1000
+
+
+@pytest.mark.parametrize("p", [0.0, 5e-324, 1e-45])  # 5e-324 and 1e-45 are 0 in float32
+def test_top_p_keeps_the_best_token_whatever_p(p: float) -> None:
+    """vLLM's rule: top-p keeps at least one token. Issue 38: top_p 5e-324 kept none, and the
+    draw returned the id one past the vocabulary."""
+    probs = torch.tensor([[0.1, 0.5, 0.15, 0.25]])
+    apply_top_p(probs, torch.tensor([p], dtype=torch.float32))
+    assert (probs > 0).tolist() == [[False, True, False, False]]
 
 
 def test_min_p_drops_below_fraction_of_max() -> None:
@@ -330,3 +340,43 @@ def test_plain_greedy_rows_get_the_tokens_of_the_full_path() -> None:
     tokens_lp, lps_lp = make_sampler(4000)(logits, with_lp)
     assert tokens == tokens_lp == logits.float().argmax(dim=-1).tolist()
     assert lps == [None] * 6 and all(lp is not None for lp in lps_lp)
+
+
+# The extremes a float field can carry in JSON: zeros, subnormals (0 in float32), float32's
+# edges, the bounds of each field and their neighbours, float64's largest.
+EXTREMES = (0.0, -0.0, 5e-324, -5e-324, 2.2e-308, 1e-45, 1.2e-38, 1e-5, 9.9e-5, 1e-4, 0.5,
+            0.9999999, 1.0, 1.0000001, 2.0, 2.0000001, -2.0, -2.0000001, -1.0, 100.0, 100.0001,
+            -100.0, -100.0001, 1e4, 10000.001, 3.4028234663852886e38, 3.5e38, 1e308,
+            1.7976931348623157e308, -1e308)
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "logit_bias")
+
+
+def params_with(name: str, value: float) -> SamplingParams:
+    """A sampled request (logprobs too) whose one float field is `value`."""
+    fields: dict = {"temperature": 1.0, "logprobs": 2, "seed": 3}
+    fields[name] = {5: value} if name == "logit_bias" else value
+    return SamplingParams(**fields)
+
+
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+def test_extreme_floats_give_a_field_error_or_a_token_in_the_vocabulary(name: str) -> None:
+    """Issue 38: every value either is refused naming its field, or the real sampler draws a
+    token in the vocabulary with finite logprobs, on logits that include -inf (a grammar's
+    mask) and from a row whose penalties see its tokens."""
+    logits = random_logits(1, seed=4)
+    logits[0, 40:] = -INF
+    builder = SamplingBatchBuilder(V, seed=0)
+    refused = 0
+    for value in EXTREMES:
+        try:
+            params = params_with(name, value)
+        except InvalidParamError as e:
+            assert e.param == name, (value, e.param)
+            refused += 1
+            continue
+        seq = make_seq(params, prompt=[1, 2, 5, 7], output=(5, 9, 9))
+        tokens, logprobs = sample(logits.clone(), builder.build([seq], CPU))
+        assert 0 <= tokens[0] < V, (name, value, tokens)
+        assert logprobs[0] is not None and math.isfinite(logprobs[0].logprob), (name, value)
+    assert 0 < refused < len(EXTREMES)
