@@ -15,6 +15,7 @@ from api.replicas.client import ReplicaClient
 from api.replicas.collector import ReplicaCollector
 from api.state import AppState
 from engine.replicas.board import REPORT_PERIOD_S
+from engine.replicas.loopback import keep_replica_on_loopback
 
 
 @serve.ingress()
@@ -22,6 +23,7 @@ class Ingress:
     """`app_options`: create_app's keyword arguments (api key, body limit, timeouts...)."""
 
     async def __init__(self, engine: Any, board: Any, app_options: dict[str, Any]) -> None:  # type: ignore[misc]
+        keep_replica_on_loopback()
         model_name = await _model_name(board)
         client = ReplicaClient(engine, board, model_name)
         self._app = create_app(client, **app_options)

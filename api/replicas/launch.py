@@ -1,7 +1,8 @@
 """Build the Ray Serve application (ingress + engine deployments) and run it for
 `pagedserve serve --num-replicas N` (or --min/--max-replicas).
 
-By default a local Ray cluster is started (small: no dashboard) and stopped on exit;
+By default a local Ray cluster is started (small: no dashboard; every Ray process listening
+on 127.0.0.1 only, engine/replicas/loopback.py) and stopped on exit;
 `--ray-address` joins an existing one and only removes the application on exit. SIGTERM or
 SIGINT shuts Serve down gracefully: requests in flight get --shutdown-timeout seconds.
 """
@@ -27,6 +28,7 @@ from api.replicas.router import router_class
 from engine.config import EngineConfig, load_config
 from engine.replicas.board import create_board
 from engine.replicas.deployment import EngineReplica
+from engine.replicas.loopback import use_loopback_cluster
 
 logger = logging.getLogger("pagedserve")
 
@@ -122,6 +124,7 @@ def start_ray(replicas: ReplicaOptions, config: EngineConfig) -> None:
         return
     # Logical CPUs: enough for every replica's threads even on a small machine.
     cpus = max(os.cpu_count() or 1, replicas.most_replicas * (config.num_threads or 1))
+    use_loopback_cluster()  # no Ray port of ours is reachable from another machine
     ray.init(num_cpus=cpus, include_dashboard=False)
 
 

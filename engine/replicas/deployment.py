@@ -24,6 +24,7 @@ from ray import serve
 from engine.config import EngineConfig
 from engine.protocol import ChatTemplateArgs, EngineDeadError
 from engine.replicas.board import REPORT_PERIOD_S
+from engine.replicas.loopback import keep_replica_on_loopback
 from engine.replicas.messages import (
     Admitted,
     GenerateRequest,
@@ -48,6 +49,8 @@ class EngineReplica:
 
     async def __init__(self, config: EngineConfig, board: Any) -> None:  # type: ignore[misc]
         from engine.async_engine import AsyncEngine  # torch loads here, in the replica only
+
+        keep_replica_on_loopback()
 
         self._engine: AsyncEngine = AsyncEngine(config)
         self._loop_thread = threading.Thread(target=self._engine.run_step_loop,

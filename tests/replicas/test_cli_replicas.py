@@ -1,5 +1,5 @@
 """`pagedserve serve --num-replicas 1` as a user runs it: a local Ray cluster of its own,
-serving through Serve's proxy; SIGTERM lets a request in flight finish, then the process
+every port of it on the loopback address, serving through Serve's proxy; SIGTERM lets a request in flight finish, then the process
 exits and leaves no Ray process behind."""
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.ray_serve import free_port, ray_processes, wait_healthy
+from tests.support.ray_serve import (
+    free_port,
+    is_loopback,
+    listening_addresses,
+    process_tree,
+    ray_processes,
+    wait_healthy,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,6 +37,11 @@ def test_sigterm_drains_and_leaves_no_ray_process(tiny_model: Path, tmp_path: Pa
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(url, timeout=300)
+        # Issue 38: Ray takes no authentication, so none of its ports may face the network.
+        ours = process_tree(proc.pid).union(*(process_tree(p) for p in ray_processes(proc.pid)))
+        listening = listening_addresses(ours)
+        assert any(a.startswith(f"127.0.0.1:{port} ") for a in listening), listening
+        assert [a for a in listening if not is_loopback(a.split(" ")[0])] == [], listening
         events: list[str] = []
         started = threading.Event()
 

@@ -8,6 +8,7 @@ are deployed and deleted on it as tests need.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -121,3 +122,56 @@ def ray_processes(driver: int) -> list[int]:
         if cmd[0].endswith((b"raylet", b"gcs_server")) and any(mark in a for a in cmd[1:]):
             pids.append(int(pid))
     return pids
+
+
+def process_tree(root: int) -> set[int]:
+    """root and every process below it (from each process's parent pid in /proc)."""
+    children: dict[int, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])  # comm may hold spaces
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(pid))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def listening_addresses(pids: set[int]) -> list[str]:
+    """'address:port (pid)' of every TCP socket these processes listen on, IPv4 and IPv6
+    (from /proc/net/tcp{,6} and each process's file descriptors)."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue  # gone, or not ours to read
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    found.append(f"{_proc_net_address(fields[1])} ({inodes[fields[9]]})")
+    return found
+
+
+def _proc_net_address(hex_address: str) -> str:
+    """/proc/net/tcp's 'IP:PORT' in hex (the IP in 32-bit words of host byte order)."""
+    ip_hex, port_hex = hex_address.split(":")
+    raw = b"".join(bytes.fromhex(ip_hex[i:i + 8])[::-1] for i in range(0, len(ip_hex), 8))
+    return f"{ipaddress.ip_address(raw)}:{int(port_hex, 16)}"
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address.rpartition(":")[0])
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
