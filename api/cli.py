@@ -172,9 +172,9 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-concurrency", type=_non_negative_int, default=DEFAULT_LIMIT_CONCURRENCY,
-                   help="open connections (plus requests in flight) past which a new request "
-                   "gets 503, as uvicorn's; 0 = no limit (default: "
-                   f"{DEFAULT_LIMIT_CONCURRENCY})")
+                   help="requests in progress past which a new one gets a JSON 503 with "
+                   "Retry-After (idle connections do not count; /health and /metrics are "
+                   f"exempt); 0 = no limit (default: {DEFAULT_LIMIT_CONCURRENCY})")
     p.add_argument("--timeout-keep-alive", type=_positive_float,
                    default=DEFAULT_TIMEOUT_KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open, as uvicorn's "

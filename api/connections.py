@@ -14,6 +14,15 @@ place under limit_concurrency) forever. GuardedH11Protocol adds two, per request
   disconnect, as for a client that went away.
 
 A request that is complete is never cut, however long its answer streams.
+
+And a concurrency limit that idle sockets cannot exhaust. uvicorn's `limit_concurrency`
+counts open connections, so 1,100 sockets that never send a byte made every request, and
+/health, answer a plain-text 503 until the header timeout reaped them (and a client that
+re-opened them kept it so). Here the limit counts requests in progress (a head received,
+the answer not finished), not connections; past it a new request gets the JSON 503
+(`too_many_requests_in_progress`, with Retry-After), and /health and /metrics are exempt, so
+a probe and a scrape still see the server. Idle and half-sent connections are bounded in
+time by the header timeout, which runs from the moment the connection is accepted.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ DEFAULT_LIMIT_CONCURRENCY = 1000
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5.0  # uvicorn's default
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0  # a 4 MiB body (--max-body-bytes) at ~0.6 Mbit/s
+EXEMPT_PATHS = frozenset({"/health", "/metrics"})  # answerable at the concurrency limit
+_BUSY_BODY = (b'{"error":{"message":"too many requests in progress; retry shortly",'
+              b'"type":"server_error","param":null,"code":"too_many_requests_in_progress"}}')
 _TIMEOUT_BODY = (b'{"error":{"message":"request body not received in time",'
                  b'"type":"invalid_request_error","param":null,"code":"request_timeout"}}')
 REQUEST_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
@@ -59,22 +71,29 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str,
                    limits: ConnectionLimits) -> uvicorn.Config:
     """The one place the CLI's HTTP server settings are made (the live tests in
     tests/support/livetools.py run uvicorn's defaults, without these limits)."""
+    # uvicorn's own limit_concurrency stays off: it counts connections (see the docstring).
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           timeout_graceful_shutdown=10, http=guarded_protocol(limits),
-                          limit_concurrency=limits.limit_concurrency,
                           timeout_keep_alive=int(max(1, round(limits.timeout_keep_alive))))
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"header_timeout": limits.header_timeout, "body_timeout": limits.body_timeout})
+                {"header_timeout": limits.header_timeout, "body_timeout": limits.body_timeout,
+                 "max_requests": limits.limit_concurrency})
 
 
 class GuardedH11Protocol(H11Protocol):
     header_timeout = DEFAULT_HEADER_TIMEOUT_S
     body_timeout = DEFAULT_BODY_TIMEOUT_S
+    max_requests: int | None = DEFAULT_LIMIT_CONCURRENCY  # requests in progress; None: any
     _timer: asyncio.TimerHandle | None = None
     _timing: str = ""  # "head" | "body" | "": what the running timer waits for
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.max_requests is not None:
+            self.app = _limited(self.app, self.tasks, self.max_requests)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -123,6 +142,25 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is not None:  # the app's receive() and send() see a client gone away
             self.cycle.disconnected = True
         self.transport.close()
+
+
+def _limited(app: Any, tasks: set[Any], limit: int) -> Any:
+    """`app` behind the limit on requests in progress. uvicorn adds a request's task to the
+    server's shared `tasks` before the app runs, so the count includes this request."""
+
+    async def limited(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (scope["type"] != "http" or len(tasks) <= limit
+                or scope.get("path") in EXEMPT_PATHS):
+            await app(scope, receive, send)
+            return
+        logger.warning("%d requests in progress (--limit-concurrency %d): 503 for %s",
+                       len(tasks), limit, scope.get("path"))
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"retry-after", b"1"),
+            (b"connection", b"close"), (b"content-length", str(len(_BUSY_BODY)).encode())]})
+        await send({"type": "http.response.body", "body": _BUSY_BODY})
+
+    return limited
 
 
 def _peer(client: tuple[str, int] | None) -> str:

@@ -1,6 +1,7 @@
 """Connection limits on a real uvicorn server (loopback, the fake engine): a slow body is cut
-while real requests go on, partial headers are closed, past --limit-concurrency new requests
-get 503 and the server recovers. Small timeouts; every wait is on an observable event
+while real requests go on, partial headers (and sockets that never send a byte) are closed,
+idle sockets block nothing, past --limit-concurrency requests in progress new ones get a JSON
+503 while /health and /metrics answer, and the server recovers. Small timeouts; every wait is on an observable event
 (a socket's EOF, the server's connection count) with a bound."""
 
 from __future__ import annotations
@@ -147,14 +148,44 @@ def test_a_complete_request_is_never_cut_by_the_timeouts() -> None:
                 time.sleep(HEADER_TIMEOUT / 2)
 
 
-def test_past_the_concurrency_limit_new_requests_get_503_then_it_recovers() -> None:
+def held_request(port: int) -> socket.socket:
+    """A request in progress that stays so: its head sent, its body promised but withheld."""
+    sock = socket.create_connection((HOST, port))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: "
+                 "application/json\r\nContent-Length: 100\r\n\r\n".encode())
+    return sock
+
+
+def test_idle_sockets_past_the_limit_block_nothing() -> None:
+    """Issue 38: more sockets that never send a byte than --limit-concurrency; requests, the
+    health probe and a scrape are all served (uvicorn's limit counted them: all got 503)."""
     with http_server(limits(limit_concurrency=3, header_timeout=30.0)) as (port, server):
+        idle = [socket.create_connection((HOST, port)) for _ in range(12)]
+        wait_for(lambda: len(server.server_state.connections) >= 12, "twelve idle sockets")
+        try:
+            assert [completion(port).status_code for _ in range(3)] == [200] * 3
+            for path in ("/health", "/metrics"):
+                assert httpx.get(f"http://{HOST}:{port}{path}", timeout=BOUND).status_code == 200
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def test_past_the_limit_of_requests_in_progress_a_json_503_then_it_recovers() -> None:
+    with http_server(limits(limit_concurrency=3, header_timeout=30.0,
+                            body_timeout=30.0)) as (port, server):
         state = server.server_state
-        wait_for(lambda: not state.connections, "the readiness probes' connections to close")
-        idle = [socket.create_connection((HOST, port)) for _ in range(2)]
-        wait_for(lambda: len(state.connections) == 2, "two idle connections")
-        assert completion(port).status_code == 503  # the third connection
-        for sock in idle:
-            sock.close()
-        wait_for(lambda: not state.connections, "the idle connections to close")
+        held = [held_request(port) for _ in range(3)]
+        wait_for(lambda: len(state.tasks) == 3, "three requests in progress")
+        try:
+            refused = completion(port)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "too_many_requests_in_progress"
+            assert refused.headers["retry-after"] == "1"
+            for path in ("/health", "/metrics"):  # exempt: a probe and a scrape still answer
+                assert httpx.get(f"http://{HOST}:{port}{path}", timeout=BOUND).status_code == 200
+        finally:
+            for sock in held:
+                sock.close()
+        wait_for(lambda: not state.tasks, "the held requests to end")
         assert completion(port).status_code == 200
