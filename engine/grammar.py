@@ -22,6 +22,7 @@ from scheduler.sampling_params import StructuredOutputsParams
 
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: "; clients need the rest.
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what json_object means (OpenAI's JSON mode)
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar",
                "regex": "regular expression", "choice": "choice list", "grammar": "grammar"}
 
@@ -118,7 +119,11 @@ class GrammarBackend:
             # spaces forever and never close the object.
             return c.compile_json_schema(so.spec, any_whitespace=False, strict_mode=True)
         if so.kind == "json_object":
-            return c.compile_builtin_json_grammar()
+            # An object at the root, any JSON inside: xgrammar's built-in JSON grammar also
+            # allows a root array or scalar ([0] came back), which OpenAI's contract does not.
+            # Not strict: strict mode would forbid the object's unnamed properties.
+            return c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False,
+                                         strict_mode=False)
         if so.kind == "regex":
             return c.compile_regex(so.spec)
         if so.kind == "choice":

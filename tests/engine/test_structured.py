@@ -94,6 +94,22 @@ def test_json_object_and_seeds_reproduce(engine: LLMEngine, llama_runner: ModelR
     assert results["j2"].token_ids == results["j3"].token_ids
 
 
+def test_json_object_root_is_an_object_even_when_the_model_leans_to_arrays(
+        engine: LLMEngine, llama_runner: ModelRunner) -> None:
+    """Issue 38: xgrammar's built-in JSON grammar allows any root value, so json_object gave
+    arrays such as [0]; OpenAI's contract is an object. A bias towards "[" makes the tiny
+    model pick an array root for every seed here on the old grammar."""
+    bias = {**closing_bias(llama_runner),
+            **{t: 8.0 for t in single_token_ids(llama_runner.tokenizer, "[")}}
+    for seed in range(8):
+        engine.add_request(f"o{seed}", PROMPT, constrained("json_object", "", seed=seed,
+                                                           logit_bias=bias))
+    results = run_all(engine)
+    assert all(r.text.startswith("{") for r in results.values()), results
+    stopped = [json.loads(r.text) for r in results.values() if r.finish_reason == "stop"]
+    assert stopped and all(isinstance(v, dict) for v in stopped)
+
+
 def test_length_stop_strings_and_min_tokens(engine: LLMEngine) -> None:
     schema = json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 5})
     engine.add_request("cut", PROMPT, constrained("json", schema, max_tokens=3, seed=1))
