@@ -49,8 +49,12 @@ async def create_chat_completion(request: Request) -> Response:
     prompt = truncate(prompt, opts, app.limits().max_model_len, req.sampling.max_tokens)
     shown_id, engine_id = request_ids("chatcmpl", opts.request_id)
     deadline = app.deadline(arrival, req.sampling.timeout)
-    stream = await start_stream(app.engine, _jobs(app, req, prompt, engine_id, deadline),
-                                app.metrics, app.lifecycle)
+    # A client that leaves while its request waits (for admission, or its grammar's compile)
+    # ends it there: the request leaves the queue.
+    stream = await run_unless_disconnected(request.receive, start_stream(
+        app.engine, _jobs(app, req, prompt, engine_id, deadline), app.metrics, app.lifecycle))
+    if stream is None:
+        return Response(status_code=CLIENT_CLOSED)
     head = (shown_id, now(), app.served_model_name)
     if req.stream:
         return sse_response(_events(stream, req, prompt, head), stream.close)

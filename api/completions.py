@@ -58,7 +58,12 @@ async def create_completion(request: Request) -> Response:
     shown_id, engine_id = request_ids("cmpl", req.options.request_id)
     meta = _Meta(shown_id, now(), app.served_model_name)
     jobs = _jobs(app, req, groups, engine_id, app.deadline(arrival, req.sampling.timeout))
-    stream = await start_stream(app.engine, jobs, app.metrics, app.lifecycle)
+    # A client that leaves while its request waits (for admission, or its grammar's compile)
+    # ends it there: the request leaves the queue.
+    stream = await run_unless_disconnected(
+        request.receive, start_stream(app.engine, jobs, app.metrics, app.lifecycle))
+    if stream is None:
+        return Response(status_code=CLIENT_CLOSED)
     if req.stream:
         return sse_response(_events(stream, req, groups, meta), stream.close)
     try:

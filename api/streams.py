@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from starlette.types import Receive
@@ -54,16 +54,22 @@ class MergedStream:
         self._streams: dict[int, RequestStream] = {}  # choice index -> its admitted stream
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
+        self._failed: APIError | None = None  # set by fail()
+        self._on_fail = asyncio.Event()
 
     async def start(self) -> None:
         """Submit every engine request at once (one trip to the engine thread); if any is
         refused (prompt too long, queue full, engine dead), the admitted ones are closed and
-        the refusal becomes the HTTP status."""
+        the refusal becomes the HTTP status. Open for the lifecycle from here on: a drain
+        waits for a request still being admitted (its grammar compiling) like a running one,
+        and fail() ends the wait with the drain's error."""
+        if self._lifecycle is not None:
+            self._lifecycle.opened(self)
         try:
-            results = await asyncio.gather(*(self._submit(i, job)
-                                             for i, job in enumerate(self._jobs)),
-                                           return_exceptions=True)
-        except BaseException:  # cancelled: close what was admitted so far (frees its blocks)
+            results = await self._unless_failed(asyncio.gather(
+                *(self._submit(i, job) for i, job in enumerate(self._jobs)),
+                return_exceptions=True))
+        except BaseException:  # cancelled or failed: close what was admitted (frees blocks)
             await self.close()
             raise
         refused = next((r for r in results if isinstance(r, BaseException)), None)
@@ -73,8 +79,26 @@ class MergedStream:
                 raise refused
             raise from_engine_error(refused, self.engine.stats()) from refused
         self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in self._streams.items()]
-        if self._lifecycle is not None:
-            self._lifecycle.opened(self)
+
+    async def _unless_failed(self, submits: asyncio.Future[list[T]]) -> list[T]:
+        """The submits' results, unless fail() comes first: then they are cancelled (which
+        aborts their engine requests) and the failure is raised."""
+        failed = asyncio.ensure_future(self._on_fail.wait())
+        waits: set[asyncio.Future[Any]] = {submits, failed}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            submits.cancel()
+            raise
+        finally:
+            failed.cancel()
+        if submits.done():
+            return submits.result()
+        submits.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await submits
+        assert self._failed is not None
+        raise self._failed
 
     async def _submit(self, i: int, job: Job) -> None:
         self._streams[i] = await self.engine.submit(job.request_id, job.prompt, job.params,
@@ -106,7 +130,10 @@ class MergedStream:
             yield i, item
 
     def fail(self, error: APIError) -> None:
-        """End the stream with `error` (graceful shutdown): the consumer raises it next."""
+        """End the stream with `error` (graceful shutdown): the consumer raises it next, or
+        start() does if the stream is still being admitted."""
+        self._failed = error
+        self._on_fail.set()
         self._queue.put_nowait((-1, error))
 
     async def close(self) -> None:

@@ -32,8 +32,9 @@ from engine.outputs import ErrorCode, RequestOutput
 from engine.protocol import (
     EngineDeadError,
     RequestStream,
+    ready_unless_ended,
 )
-from engine.structured import GrammarFuture, param_error
+from engine.structured import GrammarFuture, param_error, settled_on
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 
@@ -157,7 +158,7 @@ class AsyncEngine(ClientSide):
             self._streams.pop(request_id, None)
             raise
         if grammar is not None:
-            await self._await_grammar(request_id, params, grammar)
+            await self._await_grammar(request_id, params, grammar, stream)
         return stream
 
     def _start_compile(self, params: SamplingParams) -> GrammarFuture | None:
@@ -171,19 +172,25 @@ class AsyncEngine(ClientSide):
         return grammar
 
     async def _await_grammar(self, request_id: str, params: SamplingParams,
-                             grammar: GrammarFuture) -> None:
+                             grammar: GrammarFuture, stream: RequestStream) -> None:
         """The sequence waits in the scheduler while its grammar compiles; a spec that does
-        not compile is a 400 naming its field before the caller sends any byte."""
+        not compile is a 400 naming its field before the caller sends any byte. If the engine
+        ends the request first (deadline, shutdown) the stream, which holds that end, is
+        returned at once; a caller that is cancelled (its client left) aborts the request,
+        which leaves the scheduler's queue, and abandons the compile (other requests may
+        share it; the daemon pool never waits for it at exit)."""
         so = params.structured_outputs
-        assert so is not None
+        assert so is not None and self._loop is not None
         try:
-            await asyncio.wrap_future(grammar)
+            if not await ready_unless_ended(settled_on(self._loop, grammar), stream):
+                return
         except asyncio.CancelledError:
             self._close_stream(request_id)
             raise
-        except Exception as e:  # noqa: BLE001 - GrammarError: the engine ends it too
+        error = grammar.exception()
+        if error is not None:  # GrammarError: the engine ends the request too
             self._close_stream(request_id)
-            raise param_error(so, e) from None
+            raise param_error(so, error) from None
 
     def _close_stream(self, request_id: str) -> None:
         """A stream closed before its end (or a cancelled submit): abort the request."""

@@ -47,6 +47,7 @@ from engine.core_proc import run_engine_core
 from engine.protocol import (
     EngineDeadError,
     RequestStream,
+    ready_unless_ended,
 )
 from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
@@ -160,8 +161,10 @@ class EngineCoreClient(ClientSide):
         try:
             await admitted
             grammar = self._grammars.get(request_id)
-            if grammar is not None:
-                await grammar  # a spec that does not compile: a 400 before any byte is sent
+            # Unless the core ends the request first (deadline, shutdown: the stream holds
+            # that end), a spec that does not compile is a 400 before any byte is sent.
+            if grammar is not None and await ready_unless_ended(grammar, stream):
+                grammar.result()
         except BaseException:  # refused, or the client left while waiting: undo the add
             self._close_stream(request_id)
             raise

@@ -120,6 +120,7 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._on_abort = on_abort
         self._ended = False  # the final delta or an error was taken, or it was closed
+        self._has_item = asyncio.Event()  # the engine has put something (see wait_item)
 
     @property
     def ended(self) -> bool:
@@ -128,6 +129,11 @@ class RequestStream:
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
+        self._has_item.set()
+
+    async def wait_item(self) -> None:
+        """Until the engine has put a delta or an error here (taken or not)."""
+        await self._has_item.wait()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -146,6 +152,19 @@ class RequestStream:
         if not self._ended:
             self._ended = True
             self._on_abort(self.request_id)
+
+
+async def ready_unless_ended(ready: asyncio.Future[Any], stream: RequestStream) -> bool:
+    """Wait for `ready` (a request's grammar compile) unless the engine ends the request first:
+    its deadline passed or the server shuts down while it compiles, and the stream holds that
+    end. True when `ready` settled first. `ready` is never cancelled here, so a cancelled
+    waiter (the client left) abandons the compile and does not cancel it."""
+    ended = asyncio.ensure_future(stream.wait_item())
+    try:
+        await asyncio.wait({ready, ended}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ended.cancel()
+    return ready.done()
 
 
 class EngineClient(Protocol):

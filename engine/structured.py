@@ -10,6 +10,7 @@ compile. A failure is a GrammarError; `param_error` names the request's own fiel
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import threading
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.daemon_pool import DaemonPool
 from engine.grammar import CompiledGrammar, GrammarBackend, GrammarError, Matcher
 from engine.sampling_batch import GrammarMasks
 from scheduler.errors import InvalidParamError
@@ -49,8 +51,8 @@ class StructuredOutputs:
     def __init__(self, hf_tokenizer: Any, vocab_size: int,
                  stop_token_ids: Collection[int]) -> None:
         self.backend = GrammarBackend(hf_tokenizer, vocab_size, stop_token_ids)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            COMPILE_THREADS, thread_name_prefix="pagedserve-grammar")
+        # Daemon threads: a compile still running never holds up the process's exit.
+        self._pool = DaemonPool(COMPILE_THREADS, "pagedserve-grammar")
         self._cache: OrderedDict[str, GrammarFuture] = OrderedDict()
         self._lock = threading.Lock()  # the event loop and the engine thread both compile
         self._bitmask = torch.empty(0, self.backend.words, dtype=torch.int32)
@@ -106,4 +108,25 @@ class StructuredOutputs:
         return np.array(keep, dtype=np.int32)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
+
+
+def settled_on(loop: asyncio.AbstractEventLoop, future: GrammarFuture) -> asyncio.Future[None]:
+    """An event-loop future that settles (with None) when the compile does. Unlike
+    asyncio.wrap_future, cancelling it never cancels the compile, which other requests with
+    the same spec may share (a cancelled one would stay in the cache), and a compile that
+    ends after the loop has closed (at shutdown) is no error."""
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def on_done(_: GrammarFuture) -> None:
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    future.add_done_callback(on_done)
+    return done

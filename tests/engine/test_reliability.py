@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -207,3 +207,51 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_sigterm_ends_the_process_while_a_grammar_compile_runs(tiny_llama: Path,
+                                                               tmp_path: Path) -> None:
+    """Issue 38: a compile that never ends (tests/support/endless_compile.py) kept the
+    process alive after SIGTERM (90 s and more). The drain waits for the compiling request
+    like a running one, then answers it 503; the process exits 0 within the shutdown
+    timeout (plus start-up of the signal's handling)."""
+    port, started = _free_port(), tmp_path / "compile-started"
+    cmd = [sys.executable, "-m", "tests.support.endless_compile", "serve", "--model",
+           str(tiny_llama), "--config", "tiny", "--port", str(port), "--num-threads", "1",
+           "--shutdown-timeout", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO),
+           "PAGEDSERVE_TEST_COMPILE_STARTED": str(started)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_healthy(proc, port)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions",
+                                  json={"prompt": "hi", "guided_regex": "[0-9]+"}, timeout=60)
+            deadline = time.monotonic() + 30
+            while not started.exists():
+                assert time.monotonic() < deadline, "the compile never started"
+                time.sleep(0.05)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            response = waiting.result(30)
+            assert proc.wait(30) == 0
+        assert time.monotonic() - signalled < 2 + 8, time.monotonic() - signalled
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "server_shutting_down"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not become healthy")

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from typing import Any
 
 import pytest
 
 from engine.grammar import CompiledGrammar
 from engine.model_runner import ModelRunner
+from engine.outputs import ErrorCode
 from engine.protocol import InvalidParamError
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.test_async_engine import collect, make, run_async, tokens, wait_idle
@@ -93,6 +95,63 @@ def test_a_failed_compile_is_refused_by_submit(llama_runner: ModelRunner, kind: 
             assert str(e.value).startswith("structured_outputs.x: ")
             await wait_idle(eng)
         finally:
+            await eng.shutdown()
+
+    run_async(main())
+
+
+def test_a_deadline_that_passes_while_compiling_answers_at_once(
+        llama_runner: ModelRunner) -> None:
+    """Issue 38: the engine times the request out in the queue; submit() returns then, with
+    the stream holding that end, instead of waiting for the compile (which never ends
+    here), and the request is gone from the scheduler."""
+    so = StructuredOutputsParams("regex", r"[0-9]{5}", "guided_regex")
+
+    async def main() -> None:
+        eng = make(llama_runner)
+        await eng.start()
+        gate = gated(eng)
+        try:
+            t0 = time.monotonic()
+            outs = await collect(eng.submit("late", [5, 6, 7], SamplingParams(
+                structured_outputs=so), deadline=time.monotonic() + 0.3))
+            assert time.monotonic() - t0 < 5
+            assert [o.error_code for o in outs] == [ErrorCode.QUEUE_TIMEOUT]
+            assert eng.engine.scheduler.num_waiting == 0 and not eng.engine.has_unfinished()
+        finally:
+            gate.set()
+            await eng.shutdown()
+
+    run_async(main())
+
+
+def test_a_cancelled_submit_leaves_the_queue_while_its_compile_runs(
+        llama_runner: ModelRunner) -> None:
+    """The client left: the request is aborted and leaves the scheduler's queue at once; the
+    compile, which another request with the same spec shares, is abandoned, not cancelled."""
+    so = StructuredOutputsParams("regex", r"[a-c]{3}", "guided_regex")
+
+    async def main() -> None:
+        eng = make(llama_runner)
+        await eng.start()
+        gate = gated(eng)
+        try:
+            left = asyncio.create_task(eng.submit("left", [5, 6], SamplingParams(
+                structured_outputs=so)))
+            stays = asyncio.create_task(collect(eng.submit("stays", [5, 6], SamplingParams(
+                structured_outputs=so, temperature=0))))
+            while eng.engine.scheduler.num_waiting < 2:
+                await asyncio.sleep(0.01)
+            left.cancel()
+            while eng.engine.scheduler.get("left") is not None:
+                await asyncio.sleep(0.01)
+            assert eng.engine.scheduler.num_waiting == 1
+            gate.set()
+            outs = await stays
+            assert re.fullmatch(r"[a-c]{3}", "".join(o.new_text for o in outs))
+            await wait_idle(eng)
+        finally:
+            gate.set()
             await eng.shutdown()
 
     run_async(main())

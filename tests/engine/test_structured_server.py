@@ -5,7 +5,9 @@ spelling; the openai client's parse() and stream() with a pydantic model; stream
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import socket
+import time
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import httpx
@@ -15,6 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engine.model_runner import ModelRunner
+from tests.engine.test_structured_async import gated
 from tests.support.errors import assert_error
 from tests.support.livetools import Live, live_server
 
@@ -113,3 +116,33 @@ def test_streamed_completions_n2_each_follow_the_schema(live: Live) -> None:
     for text in texts.values():
         jsonschema.validate(json.loads(text), schema)
     live.wait_idle()
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_client_that_leaves_during_its_compile_leaves_the_queue(live: Live,
+                                                                  route: str) -> None:
+    """Issue 38: a plain (not streamed) request waiting for its grammar was not told its
+    client had gone: it stayed queued until the compile ended. Now the hang-up aborts it
+    while the compile is still held (gated), and the server is idle again."""
+    gate = gated(live.engine)
+    regex = f"[0-9]{{{len(route)}}}"  # a spec of its own: no cached compile
+    text = {"prompt": "hi"} if route == "/v1/completions" else {"messages": MSG}
+    body = json.dumps({**text, "guided_regex": regex, "max_tokens": 8}).encode()
+    scheduler = live.engine.engine.scheduler
+    try:
+        with socket.create_connection((live.host, live.port)) as sock:
+            sock.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                         f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            wait_until(lambda: scheduler.num_waiting == 1, "the request to queue")
+        wait_until(lambda: scheduler.num_waiting == 0, "the request to leave the queue")
+        assert not gate.is_set()  # its compile has not ended: the hang-up did it
+    finally:
+        gate.set()
+    live.blocks_all_free()
+
+
+def wait_until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

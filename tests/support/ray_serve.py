@@ -127,14 +127,15 @@ def ray_processes(driver: int) -> list[int]:
 def process_tree(root: int) -> set[int]:
     """root and every process below it (from each process's parent pid in /proc)."""
     children: dict[int, list[int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for name in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/stat") as f:
+            with open(f"/proc/{name}/stat") as f:
                 ppid = int(f.read().rpartition(")")[2].split()[1])  # comm may hold spaces
         except (OSError, ValueError, IndexError):
             continue
-        children.setdefault(ppid, []).append(int(pid))
-    tree, todo = set(), [root]
+        children.setdefault(ppid, []).append(int(name))
+    tree: set[int] = set()
+    todo = [root]
     while todo:
         pid = todo.pop()
         tree.add(pid)
