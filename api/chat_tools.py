@@ -18,7 +18,9 @@ def make_parser(config: ToolConfig | None) -> OutputParser | None:
     if config.mode == "function":
         assert config.forced_name is not None
         return NamedParser(config.forced_name)
-    return RequiredParser() if config.mode == "required" else HermesParser()
+    if config.mode == "required":  # its schema already holds one call when not parallel
+        return RequiredParser()
+    return HermesParser(max_calls=None if config.parallel else 1)
 
 
 def finish_reason(reason: str | None, made_calls: bool) -> str | None:

@@ -102,6 +102,9 @@ class HermesParser:
     inside: bool = False  # within an open <tool_call> block
     held_space: str = ""  # trailing whitespace of the content sent so far
     num_calls: int = 0
+    # parallel_tool_calls false: 1. Later calls are dropped (neither calls nor content), as
+    # vLLM keeps only the first; OpenAI's contract is "at most one call".
+    max_calls: int | None = None
     _out: list[str] = field(default_factory=list)
 
     def feed(self, text: str) -> Parsed:
@@ -140,6 +143,8 @@ class HermesParser:
         call = _block_call(block)
         if call is None:
             self._content(START + block + (END if closed else ""))
+            return []
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
             return []
         self.num_calls += 1
         return [CallDelta(self.num_calls - 1, call[1], new_call_id(), call[0])]

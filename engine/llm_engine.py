@@ -142,6 +142,11 @@ class LLMEngine:
         finish_reason "timeout". Checked at the start of every step."""
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            # vLLM's answer too: a priority that would silently be ignored is refused.
+            raise InvalidParamError("priority", f"priority {priority} was given, but priority "
+                                    "scheduling is not enabled (start the server with "
+                                    "--scheduling-policy priority)")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidParamError("prompt", "prompt must not be empty")

@@ -390,6 +390,21 @@ def test_stream_auto_n2(client: TestClient, engine: FakeEngine) -> None:
     assert out[1] == {"content": "No call <tool_ here.", "calls": [], "finish": "stop"}
 
 
+def test_auto_keeps_one_call_when_parallel_tool_calls_is_false(client: TestClient,
+                                                               engine: FakeEngine) -> None:
+    """Issue 38: parallel_tool_calls false had no effect in auto mode (two calls came back);
+    the first call is kept, streamed or not, and the later ones are dropped."""
+    engine.replies = ["Sure.\n" + TWO + "\n"]
+    message, finish = _message(post(client, tools=TOOLS, parallel_tool_calls=False))
+    assert finish == "tool_calls" and message["content"] == "Sure."
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    out = _stream(client, tools=TOOLS, parallel_tool_calls=False)
+    assert [c["name"] for c in out[0]["calls"]] == ["get_weather"]
+    assert out[0]["content"] == "Sure." and out[0]["finish"] == "tool_calls"
+    message, _ = _message(post(client, tools=TOOLS))  # parallel (the default): both
+    assert len(message["tool_calls"]) == 2
+
+
 def test_stream_matches_non_stream(client: TestClient, engine: FakeEngine) -> None:
     engine.replies = ["a\n" + CALL + "\nb <tool_call>bad</tool_call>"]
     streamed = _stream(client, tools=TOOLS)[0]

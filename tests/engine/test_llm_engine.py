@@ -16,7 +16,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, RequestOutput
-from engine.protocol import EngineLimits, PromptTooLongError
+from engine.protocol import EngineLimits, InvalidParamError, PromptTooLongError
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from tests.support.faults import FaultyRunner
@@ -244,3 +244,14 @@ def test_offline_completion_keeps_the_error_of_a_failed_step(llama_runner: Model
         done.add(out)
     assert done.finish_reason == "abort" and done.error is not None
     assert done.error.startswith("engine step failed: injected fault")
+
+
+def test_priority_is_refused_unless_the_priority_policy_is_on(llama_runner: ModelRunner) -> None:
+    """Issue 38: under fcfs a priority was accepted and ignored; vLLM refuses it (400)."""
+    params = SamplingParams(max_tokens=1)
+    fcfs = make(llama_runner)
+    fcfs.add_request("zero", [5, 6], params, priority=0)  # the default asks for nothing
+    with pytest.raises(InvalidParamError, match="--scheduling-policy priority") as e:
+        fcfs.add_request("three", [5, 6], params, priority=3)
+    assert e.value.param == "priority" and "three" not in fcfs.requests
+    make(llama_runner, policy="priority").add_request("three", [5, 6], params, priority=3)
