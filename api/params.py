@@ -132,3 +132,17 @@ def check_unicode(text: str, param: str) -> None:
         raise bad_request(f"{param} is not valid Unicode text: it contains a lone UTF-16 "
                           f"surrogate (U+{ord(text[e.start]):04X}) at character {e.start}",
                           param=param) from None
+
+
+def check_unicode_in(value: Any, where: str) -> None:
+    """check_unicode on every string (and key) inside a JSON value, the 400 naming the path
+    to the first bad one (tools[0].function.name, stop, guided_choice[2]...)."""
+    if isinstance(value, str):
+        check_unicode(value, where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode_in(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, where)  # a bad key: the object that holds it
+            check_unicode_in(item, f"{where}.{key}")

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import APIError, bad_request
-from api.params import INT64_MAX, check_int, get_bool, get_float, get_int, get_int_list
+from api.params import (
+    INT64_MAX,
+    check_int,
+    check_unicode,
+    get_bool,
+    get_float,
+    get_int,
+    get_int_list,
+)
 from api.structured import parse_structured
 from engine.protocol import (
     MAX_LOGPROBS,  # noqa: F401 - one cap, shared with the engine (re-exported)
@@ -80,6 +88,8 @@ def parse_stop(value: Any) -> tuple[str, ...]:
         raise bad_request("stop must be a string or a list of strings", param="stop")
     if len(stops) > MAX_STOP:
         raise bad_request(f"stop accepts at most {MAX_STOP} strings", param="stop")
+    for stop in stops:
+        check_unicode(stop, "stop")  # it is matched against decoded text: never could match
     return tuple(stops)
 
 

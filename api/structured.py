@@ -17,6 +17,7 @@ import json
 from typing import Any
 
 from api.errors import bad_request
+from api.params import check_unicode_in
 from engine.protocol import StructuredOutputsParams
 
 # structured_outputs flags that cannot change what we produce: we have no fallback backend,
@@ -67,6 +68,7 @@ def _response_format(value: Any) -> StructuredOutputsParams | None:
         return StructuredOutputsParams("json_object", "", param)
     if not isinstance(schema, (dict, bool)):
         raise bad_request("response_format.json_schema.schema must be an object", param=param)
+    check_unicode_in(schema, "response_format.json_schema.schema")
     return StructuredOutputsParams("json", json.dumps(schema), param)
 
 
@@ -96,6 +98,7 @@ def _structured_outputs(value: Any) -> StructuredOutputsParams | None:
 
 def _constraint(key: str, value: Any, where: str) -> StructuredOutputsParams | None:
     """One of json / regex / choice / grammar / json_object, named `where` in errors."""
+    check_unicode_in(value, where)  # a lone surrogate compiles into a grammar of U+FFFD
     if key == "json":
         if isinstance(value, str):
             return StructuredOutputsParams("json", value, where)

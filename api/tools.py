@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from api.errors import bad_request
-from api.params import get_bool
+from api.params import check_unicode_in, get_bool
 from engine.protocol import StructuredOutputsParams
 
 MAX_TOOLS = 128  # OpenAI's own cap
@@ -82,6 +82,7 @@ def _tool(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict) or value.get("type") != "function":
         raise bad_request(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}",
                           param=f"{where}.type")
+    check_unicode_in(value, where)  # rendered into the prompt: named here, not as messages
     fn = value.get("function")
     if not isinstance(fn, dict):
         raise bad_request(f"{where}.function must be an object", param=f"{where}.function")

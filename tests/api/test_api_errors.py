@@ -121,6 +121,27 @@ def test_lone_surrogate_is_400(client: TestClient) -> None:
     assert_error(client.post("/tokenize", content=raw), 400, "prompt")
 
 
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    ("/v1/completions", b'{"prompt": "a", "stop": "x\\ud800"}', "stop"),
+    ("/v1/completions", b'{"prompt": "a", "stop": ["ok", "\\udc00"]}', "stop"),
+    ("/v1/completions", b'{"prompt": "a", "guided_choice": ["a", "\\ud800\\ud800"]}',
+     "guided_choice[1]"),
+    ("/v1/completions", b'{"prompt": "a", "structured_outputs": {"regex": "\\ud800+"}}',
+     "structured_outputs.regex"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "tools": '
+     b'[{"type": "function", "function": {"name": "f\\ud800"}}]}', "tools[0].function.name"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], '
+     b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
+     b'{"enum": ["\\udfff"]}}}}', "response_format.json_schema.schema.enum[0]"),
+])
+def test_lone_surrogates_are_400_naming_their_field(client: TestClient, path: str, raw: bytes,
+                                                     param: str) -> None:
+    """Issue 38: they passed in stop and guided_choice (which then answered three U+FFFD),
+    and one in a tool name was reported as messages (the tools are rendered into them)."""
+    error = assert_error(client.post(path, content=raw), 400, param)
+    assert "surrogate" in error["message"]
+
+
 def test_unknown_fields_are_ignored(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "frobnicate": 1})
     assert r.status_code == 200
