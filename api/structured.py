@@ -69,6 +69,7 @@ def _response_format(value: Any) -> StructuredOutputsParams | None:
     if not isinstance(schema, (dict, bool)):
         raise bad_request("response_format.json_schema.schema must be an object", param=param)
     check_unicode_in(schema, "response_format.json_schema.schema")
+    check_local_refs(schema, "response_format.json_schema.schema")
     return StructuredOutputsParams("json", json.dumps(schema), param)
 
 
@@ -101,10 +102,12 @@ def _constraint(key: str, value: Any, where: str) -> StructuredOutputsParams | N
     check_unicode_in(value, where)  # a lone surrogate compiles into a grammar of U+FFFD
     if key == "json":
         if isinstance(value, str):
+            check_local_refs(_schema_text(value), where)
             return StructuredOutputsParams("json", value, where)
         if not isinstance(value, (dict, bool)):
             raise bad_request(f"{where} must be a JSON schema (an object or its JSON text)",
                               param=where)
+        check_local_refs(value, where)
         return StructuredOutputsParams("json", json.dumps(value), where)
     if key in ("regex", "grammar"):
         if not isinstance(value, str):
@@ -136,3 +139,29 @@ def _check_guided_options(body: dict[str, Any]) -> None:
     if body.get("guided_whitespace_pattern") is not None:
         raise bad_request("guided_whitespace_pattern is not supported",
                           param="guided_whitespace_pattern")
+
+
+def check_local_refs(schema: Any, where: str) -> None:
+    """A 400 naming `where` for a `$ref` that points outside the schema ("https://...",
+    "other.json#/x"): nothing is fetched, and the compiler treated such a reference as "any
+    value", silently dropping the constraint. Local ones ("#", "#/$defs/x") are kept."""
+    if isinstance(schema, list):
+        for item in schema:
+            check_local_refs(item, where)
+    elif isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise bad_request(f"{where}: $ref {ref!r} points outside the schema; only local "
+                              "references (\"#/$defs/...\") are supported, nothing is fetched",
+                              param=where)
+        for item in schema.values():
+            check_local_refs(item, where)
+
+
+def _schema_text(text: str) -> Any:
+    """A schema given as JSON text, parsed for the checks (None if it is not JSON: the
+    compiler's own 400 says so)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from api.errors import bad_request
 from api.params import check_unicode_in, get_bool
+from api.structured import check_local_refs
 from engine.protocol import StructuredOutputsParams
 
 MAX_TOOLS = 128  # OpenAI's own cap
@@ -95,6 +96,7 @@ def _tool(value: Any, where: str) -> dict[str, Any]:
         if fn.get(key) is not None and not isinstance(fn[key], kind):
             raise bad_request(f"{where}.function.{key} must be {what}",
                               param=f"{where}.function.{key}")
+    check_local_refs(fn.get("parameters"), f"{where}.function.parameters")
     function = {k: fn[k] for k in ("name", "description", "strict") if fn.get(k) is not None}
     function["parameters"] = fn.get("parameters") or EMPTY_PARAMETERS
     return {"type": "function", "function": function}

@@ -142,6 +142,37 @@ def test_lone_surrogates_are_400_naming_their_field(client: TestClient, path: st
     assert "surrogate" in error["message"]
 
 
+REMOTE = {"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/completions", {"guided_json": REMOTE}, "guided_json"),
+    ("/v1/completions", {"guided_json": json.dumps(REMOTE)}, "guided_json"),
+    ("/v1/completions", {"structured_outputs": {"json": {"$ref": "other.json#/x"}}},
+     "structured_outputs.json"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": REMOTE}}}, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": REMOTE}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+])
+def test_a_remote_ref_is_400_not_any_value(client: TestClient, path: str,
+                                           extra: dict[str, Any], param: str) -> None:
+    """Issue 38: a $ref outside the schema was compiled as "any value": the constraint
+    silently did nothing. Nothing is fetched: a 400 naming the field."""
+    base: dict[str, Any] = ({"prompt": "a"} if path == "/v1/completions"
+                            else {"messages": [{"role": "user", "content": "a"}]})
+    error = assert_error(client.post(path, json={**base, **extra}), 400, param)
+    assert "$ref" in error["message"]
+
+
+def test_a_local_ref_is_kept(client: TestClient) -> None:
+    schema = {"$defs": {"n": {"type": "integer"}}, "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/n"}}}
+    r = client.post("/v1/completions", json={"prompt": "a", "guided_json": schema})
+    assert r.status_code == 200, r.text
+
+
 def test_unknown_fields_are_ignored(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "frobnicate": 1})
     assert r.status_code == 200
