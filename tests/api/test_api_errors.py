@@ -128,11 +128,11 @@ def test_lone_surrogate_is_400(client: TestClient) -> None:
      "guided_choice[1]"),
     ("/v1/completions", b'{"prompt": "a", "structured_outputs": {"regex": "\\ud800+"}}',
      "structured_outputs.regex"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], "tools": '
-     b'[{"type": "function", "function": {"name": "f\\ud800"}}]}', "tools[0].function.name"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a"}], '
+    ("/v1/chat/completions", (b'{"messages": [{"role": "user", "content": "a"}], "tools": '
+     b'[{"type": "function", "function": {"name": "f\\ud800"}}]}'), "tools[0].function.name"),
+    ("/v1/chat/completions", (b'{"messages": [{"role": "user", "content": "a"}], '
      b'"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
-     b'{"enum": ["\\udfff"]}}}}', "response_format.json_schema.schema.enum[0]"),
+     b'{"enum": ["\\udfff"]}}}}'), "response_format.json_schema.schema.enum[0]"),
 ])
 def test_lone_surrogates_are_400_naming_their_field(client: TestClient, path: str, raw: bytes,
                                                      param: str) -> None:
