@@ -72,9 +72,10 @@ def _jobs(app: AppState, req: ChatRequest, prompt: list[int], rid: str,
                                app.limits().max_model_len, "messages")
     params = build_params(req.sampling, max_tokens, logprobs=req.logprobs,
                           prompt_logprobs=req.options.prompt_logprobs)
-    app.metrics.observe_params(req.sampling.n, max_tokens)
+    choices = app.metrics.observe_params(req.sampling.n, max_tokens)
     return [Job(f"{rid}-{i}", prompt, p, req.sampling.priority,
-                app.metrics.tracker(len(prompt)), deadline) for i, p in enumerate(params)]
+                app.metrics.tracker(len(prompt), choices), deadline)
+            for i, p in enumerate(params)]
 
 
 def _logprobs(req: ChatRequest, state_entries: list[Any]) -> dict[str, Any] | None:

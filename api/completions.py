@@ -108,10 +108,10 @@ def _jobs(app: AppState, req: CompletionRequest, groups: list[_Group], rid: str,
     for group in groups:
         max_tokens = check_context(len(group.token_ids), req.sampling.max_tokens,
                                    app.limits().max_model_len, "prompt")
-        app.metrics.observe_params(req.sampling.n, max_tokens)
+        choices = app.metrics.observe_params(req.sampling.n, max_tokens)
         for params in build_params(req.sampling, max_tokens, logprobs=req.logprobs,
                                    prompt_logprobs=_prompt_logprobs(req)):
-            tracker = app.metrics.tracker(len(group.token_ids))
+            tracker = app.metrics.tracker(len(group.token_ids), choices)
             jobs.append(Job(f"{rid}-{len(jobs)}", group.token_ids, params,
                             req.sampling.priority, tracker, deadline))
     return jobs

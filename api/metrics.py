@@ -63,6 +63,9 @@ ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
     "num_requests_running": ("Requests in the running batch.", lambda s: s.num_running),
     "num_requests_waiting": ("Requests waiting to be scheduled.", lambda s: s.num_waiting),
     "kv_cache_usage_perc": ("Fraction of KV blocks in use (0-1).", lambda s: s.kv_cache_usage),
+    # vLLM's older name of the same, which its own Grafana dashboard still reads.
+    "gpu_cache_usage_perc": (("Fraction of KV blocks in use (0-1); the older name of "
+                             "kv_cache_usage_perc."), lambda s: s.kv_cache_usage),
     "num_kv_blocks": ("KV blocks in the pool.", lambda s: s.num_kv_blocks),
     "num_free_kv_blocks": ("KV blocks free (including cached, evictable).",
                            lambda s: s.num_free_kv_blocks),
@@ -181,6 +184,9 @@ class ServerMetrics:
         self.params_n = h(p + "request_params_n", "The n parameter of requests.", N_BUCKETS)
         self.params_max_tokens = h(p + "request_params_max_tokens",
                                    "The max_tokens of requests (resolved).", TOKEN_BUCKETS)
+        self.max_num_generation_tokens = h(
+            p + "request_max_num_generation_tokens",
+            "The most tokens any of a request's n choices generated.", TOKEN_BUCKETS)
 
     def use_engine_collector(self, collector: EngineCollector) -> None:
         """Serve the engine series from `collector` instead (one row per Ray replica)."""
@@ -201,26 +207,48 @@ class ServerMetrics:
     def finished(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()
 
-    def observe_params(self, n: int, max_tokens: int) -> None:
-        """Once per API request (a prompt of a completion, a chat), as vLLM counts them."""
+    def observe_params(self, n: int, max_tokens: int) -> ChoiceGroup:
+        """Once per API request (a prompt of a completion, a chat), as vLLM counts them;
+        the group its n choices' trackers report to."""
         self.params_n.observe(n)
         self.params_max_tokens.observe(max_tokens)
+        return ChoiceGroup(self, n)
 
-    def tracker(self, num_prompt_tokens: int) -> RequestTracker:
-        return RequestTracker(self, num_prompt_tokens)
+    def tracker(self, num_prompt_tokens: int, group: ChoiceGroup | None = None
+                ) -> RequestTracker:
+        return RequestTracker(self, num_prompt_tokens, group)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
+class ChoiceGroup:
+    """The n choices of one API request (vLLM's parent request): once the last has ended,
+    the most tokens any of them generated is observed (request_max_num_generation_tokens)."""
+
+    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+        self._m = metrics
+        self._left = n
+        self._most = 0
+
+    def ended(self, num_output_tokens: int) -> None:
+        self._most = max(self._most, num_output_tokens)
+        self._left -= 1
+        if self._left == 0:
+            self._m.max_num_generation_tokens.observe(self._most)
+
+
 class RequestTracker:
     """Timing of one engine request, seen from the API edge, plus the engine's intervals."""
 
-    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int,
+                 group: ChoiceGroup | None = None) -> None:
         self._m = metrics
         self._num_prompt_tokens = num_prompt_tokens
+        self._group = group
         self._arrival = time.monotonic()
         self._last: float | None = None
+        self._num_output_tokens = 0
 
     def on_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
@@ -232,6 +260,7 @@ class RequestTracker:
                 self._m.tpot.observe(now - self._last)
             self._last = now
             self._m.generation_tokens.inc(len(out.new_token_ids))
+            self._num_output_tokens += len(out.new_token_ids)
         if out.finished:
             self._finish(out, now)
 
@@ -239,9 +268,13 @@ class RequestTracker:
         """The client went away before the engine finished (the final delta is never read)."""
         self._m.finished("abort")
         self._m.e2e.observe(time.monotonic() - self._arrival)
+        if self._group is not None:
+            self._group.ended(self._num_output_tokens)
 
     def _finish(self, out: RequestOutput, now: float) -> None:
         m = self._m
+        if self._group is not None:
+            self._group.ended(out.num_output_tokens)
         if out.error_code == ErrorCode.QUEUE_TIMEOUT:  # admitted, but refused late: never ran
             m.reject("queue_timeout")
         m.prompt_tokens.inc(self._num_prompt_tokens)

@@ -23,6 +23,8 @@ VLLM_NAMES = [
     "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
     "vllm:request_inference_time_seconds", "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens", "vllm:request_params_n", "vllm:request_params_max_tokens",
+    # Two that vLLM's own Grafana dashboard reads (issue 38: its panels stayed empty).
+    "vllm:gpu_cache_usage_perc", "vllm:request_max_num_generation_tokens",
 ]
 DEFAULT_COLLECTORS = ["python_gc_objects_collected_total", "python_gc_collections_total",
                       "python_info", "process_cpu_seconds_total",
@@ -78,6 +80,10 @@ def test_request_series_values() -> None:
     assert count("request_params_n") == 2
     assert s["pagedserve:request_params_n_sum"][one] == 3
     assert s["pagedserve:request_params_max_tokens_sum"][one] == 7
+    # the most tokens of each request's choices: max(3, 3) for the completion, 4 for the chat
+    assert count("request_max_num_generation_tokens") == 2
+    assert s["pagedserve:request_max_num_generation_tokens_sum"][one] == 3 + 4
+    assert s["pagedserve:gpu_cache_usage_perc"][one] == s["pagedserve:kv_cache_usage_perc"][one]
     assert count("time_per_output_token_seconds") == count("inter_token_latency_seconds") == 7
     info = next(iter(s["pagedserve:cache_config_info"]))
     assert dict(info)["model_name"] == "my-model" and "block_size" in dict(info)
