@@ -241,6 +241,19 @@ def check_fields(body: dict[str, Any], route: str) -> None:
     warn_unknown(body, known, _PATHS[route])
 
 
+def check_field_types(body: dict[str, Any], schemas: dict[str, dict[str, Any]],
+                      path: str) -> None:
+    """For the routes without a Field table (/tokenize, /detokenize): each documented
+    field's JSON type, a 400 naming it (a field the route then ignores, such as /tokenize's
+    chat-template fields beside a prompt, is still held to its documented type); one
+    warning line for the unknown ones."""
+    for name, value in body.items():
+        schema = schemas.get(name)
+        if schema is not None and not _has_type(value, kinds := json_types(schema)):
+            raise bad_request(f"{name} must be of type {' or '.join(kinds)}", param=name)
+    warn_unknown(body, schemas, path)
+
+
 def is_inert(spec: Field, value: Any) -> bool:
     # type() and ==, not `in`: True == 1 and 1.0 == True in Python, not in JSON.
     return value is None or any(type(value) is type(v) and value == v for v in spec.inert)

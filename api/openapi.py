@@ -42,6 +42,22 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "/detokenize": {"tokens": [1, 2, 3]},
 }
 
+# Rules across fields that the parsers enforce with a 400 naming the field, in JSON Schema
+# terms, so that a client or a schema-driven tester reads them from the document too.
+_STREAM_OPTIONS_NEED_STREAM = {  # api/options.parse_stream_options
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+_TOP_LOGPROBS_NEED_LOGPROBS = {  # api/protocol_chat._parse_logprobs
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+_PROMPT_OR_MESSAGES = {  # api/routes._tokens_of
+    "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
+RULES: dict[str, list[dict[str, Any]]] = {
+    "/v1/completions": [_STREAM_OPTIONS_NEED_STREAM],
+    "/v1/chat/completions": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS],
+    "/tokenize": [_PROMPT_OR_MESSAGES],
+}
+
 # (method, path, summary, request field schemas or None, required fields, 200 content)
 ROUTES: list[tuple[str, str, str, dict[str, dict[str, Any]] | None, tuple[str, ...],
                    dict[str, Any]]] = [
@@ -62,10 +78,13 @@ ROUTES: list[tuple[str, str, str, dict[str, dict[str, Any]] | None, tuple[str, .
 
 
 def _request_body(fields: dict[str, dict[str, Any]], required: tuple[str, ...],
-                  example: dict[str, Any] | None) -> dict[str, Any]:
+                  example: dict[str, Any] | None, rules: list[dict[str, Any]]
+                  ) -> dict[str, Any]:
     # Unknown fields are ignored (with a warning), as OpenAI's and vLLM's servers do.
-    schema = {"type": "object", "properties": fields, "required": list(required),
-              "additionalProperties": True}
+    schema: dict[str, Any] = {"type": "object", "properties": fields,
+                              "required": list(required), "additionalProperties": True}
+    if rules:
+        schema["allOf"] = rules
     content = s.json_content(schema)
     if example is not None:
         content["application/json"]["example"] = example
@@ -79,7 +98,8 @@ def _operation(path: str, summary: str, fields: dict[str, dict[str, Any]] | None
         success["content"] = ok
     op: dict[str, Any] = {"summary": summary, "responses": {"200": success}}
     if fields is not None:
-        op["requestBody"] = _request_body(fields, required, EXAMPLES.get(path))
+        op["requestBody"] = _request_body(fields, required, EXAMPLES.get(path),
+                                          RULES.get(path, []))
     for status, why in ERROR_STATUSES.items():
         op["responses"][status] = {"description": why, "content": s.json_content(
             {"$ref": "#/components/schemas/Error"})}

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from api.chat_template import parse_template_fields, render_chat
 from api.errors import bad_request, not_ready
-from api.fields import warn_unknown
+from api.fields import check_field_types
 from api.lifecycle import shutting_down
 from api.params import INT64_MAX, get_bool, get_int_list, get_str, read_json
 from api.protocol_chat import parse_messages
@@ -61,7 +61,7 @@ async def metrics(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     app = AppState.of(request)
     body = await read_json(request, app.max_body_bytes)
-    warn_unknown(body, frozenset(TOKENIZE_FIELDS), "/tokenize")
+    check_field_types(body, TOKENIZE_FIELDS, "/tokenize")
     app.check_model(_model(body))
     app.check_ready()
     tokens = await _tokens_of(app, body)
@@ -95,7 +95,7 @@ async def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
 async def detokenize(request: Request) -> Response:
     app = AppState.of(request)
     body = await read_json(request, app.max_body_bytes)
-    warn_unknown(body, frozenset(DETOKENIZE_FIELDS), "/detokenize")
+    check_field_types(body, DETOKENIZE_FIELDS, "/detokenize")
     app.check_model(_model(body))
     tokens = get_int_list(body, "tokens", 0, INT64_MAX)
     if tokens is None:

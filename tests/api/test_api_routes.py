@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import jsonschema
+import pytest
 from starlette.testclient import TestClient
 
 from api.app import create_app
 from tests.support.apitools import serve
+from tests.support.errors import assert_error
 from tests.support.fake_engine import BOS, FakeEngine, tok
 
 
@@ -96,3 +101,26 @@ def test_openapi_lists_every_route(client: TestClient) -> None:
     props = body["application/json"]["schema"]["properties"]
     for field in ("prompt", "max_tokens", "logprobs", "echo", "stream_options", "logit_bias"):
         assert field in props
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "top_logprobs": 2}, "top_logprobs"),
+])
+def test_cross_field_rules_are_in_the_document(client: TestClient, path: str,
+                                               body: dict[str, Any], param: str) -> None:
+    """Issue 38: these bodies get a 400, and the OpenAPI document now says so (it did not:
+    a schema-driven client took them for valid)."""
+    schema = client.get("/openapi.json").json()["paths"][path]["post"]["requestBody"][
+        "content"]["application/json"]["schema"]
+    assert not jsonschema.Draft202012Validator(schema).is_valid(body)
+    assert_error(client.post(path, json=body), 400, param)
+    fixed = {"/tokenize": {"prompt": "a"},
+             "/v1/completions": {**body, "stream": True},
+             "/v1/chat/completions": {**body, "logprobs": True}}[path]
+    assert jsonschema.Draft202012Validator(schema).is_valid(fixed)
+    assert client.post(path, json=fixed).status_code == 200
