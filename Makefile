@@ -3,7 +3,7 @@
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast lint install bench
+.PHONY: serve test test-fast lint install bench check-wheel
 serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve $(ARGS)
 
@@ -13,6 +13,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy api scheduler engine benchmarks tests
+
+check-wheel: $(STAMP)
+	bash scripts/check_wheel.sh
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)

