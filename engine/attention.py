@@ -310,8 +310,13 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     [kvH, T, hd]); the step's new K/V are in the pool already."""
     for chunk in meta.prefills:
         if meta.batch_invariant:
-            assert k_pool is not None and v_pool is not None
-            part = tiled_prefill_attention(q, k_pool, v_pool, chunk, meta.block_size, scale)
+            # Its context from the pool, whatever part of it this step computed.
+            assert k_pool is not None and v_pool is not None and chunk.rows is not None
+            k_ctx = gather_context(k_pool, chunk.rows, 1)[0]  # [kvH, nb * bs, hd]
+            v_ctx = gather_context(v_pool, chunk.rows, 1)[0]
+            part = tiled_prefill_attention(q[:, chunk.start:chunk.start + chunk.num_tokens],
+                                           k_ctx, v_ctx, chunk.num_computed, meta.block_size,
+                                           scale)
         else:
             part = prefill_attention(q, k, v, k_pool, v_pool, chunk, scale)
         out[chunk.start:chunk.start + chunk.num_tokens] = part

@@ -18,31 +18,21 @@ sequence recomputed after a preemption may continue differently from one that wa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from engine.attention import PrefillChunk
 
-
-def tiled_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                            chunk: PrefillChunk, block_size: int,
-                            scale: float) -> torch.Tensor:
-    """One prefill chunk, q [H, T, hd] (packed; its K/V already in the pool) -> [n, H, hd]."""
-    from engine.attention import gather_context
-
-    assert chunk.rows is not None, "batch-invariant prefill reads its context from the pool"
-    heads, _, head_dim = q.shape
-    kv_heads, bs = k_pool.shape[1], block_size
-    s, n, c = chunk.start, chunk.num_tokens, chunk.num_computed
-    k_ctx = gather_context(k_pool, chunk.rows, 1)[0]  # [kvH, nb * bs, hd]
-    v_ctx = gather_context(v_pool, chunk.rows, 1)[0]
+def tiled_prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                            num_computed: int, block_size: int, scale: float) -> torch.Tensor:
+    """One prefill chunk's queries q [H, n, hd] (its K/V already in the pool) over its
+    sequence's context as gathered from the pool, k_ctx, v_ctx [kvH, nb * bs, hd], where
+    num_computed tokens came before the chunk -> [n, H, hd]."""
+    heads, n, head_dim = q.shape
+    kv_heads, bs, c = k_ctx.shape[0], block_size, num_computed
     out = q.new_empty(n, heads, head_dim)
     for b in range(c // bs, (c + n - 1) // bs + 1):
         lo, hi = max(c, b * bs), min(c + n, (b + 1) * bs)  # chunk positions in block b
         tile = q.new_zeros(heads, bs, head_dim)
-        tile[:, lo - b * bs:hi - b * bs] = q[:, s + lo - c:s + hi - c]
+        tile[:, lo - b * bs:hi - b * bs] = q[:, lo - c:hi - c]
         res = _block_tile(tile, k_ctx[:, :(b + 1) * bs], v_ctx[:, :(b + 1) * bs], kv_heads,
                           scale)  # [H, bs, hd]
         out[lo - c:hi - c] = res[:, lo - b * bs:hi - b * bs].transpose(0, 1)

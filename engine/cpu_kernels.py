@@ -122,7 +122,7 @@ def _cpu_id() -> str:
 
 
 def _build() -> Path:
-    from engine.loader import cache_root  # here: engine.loader imports transformers
+    from engine.cache_paths import cache_root
 
     cxx = _compiler()
     folder = cache_root() / "cpu_kernels"

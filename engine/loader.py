@@ -7,11 +7,8 @@ a hub id already present in the local HF cache (never downloaded).
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -21,6 +18,7 @@ from typing import Any
 
 import torch
 
+from engine.cache_paths import gguf_cache_dir
 from engine.config import EMBEDDED_INSTALL, EMBEDDED_PACKAGE
 
 log = logging.getLogger(__name__)
@@ -82,13 +80,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 # ----------------------------------------------------------------------------- resolving paths
 
 
-def cache_root() -> Path:
-    if env := os.environ.get("PAGEDSERVE_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pagedserve"
-
-
 def embedded_gguf() -> Path:
     # find_spec, not import: the package's __init__ imports llm/llama_cpp, which we do not install.
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
@@ -128,21 +119,6 @@ def _from_hf_cache(repo_id: str) -> Path:
 
 
 # ----------------------------------------------------------------------------- GGUF conversion
-
-
-def gguf_cache_dir(gguf: Path) -> Path:
-    """Keyed by the file's content, not its path or mtime: every fresh install of the wheel
-    writes the same GGUF with a new mtime, and an mtime key left a 671 MB copy behind each."""
-    st = gguf.stat()
-    return cache_root() / f"{gguf.stem}-{_content_key(gguf.resolve(), st.st_size, st.st_mtime_ns)}"
-
-
-@functools.lru_cache(maxsize=16)
-def _content_key(path: Path, size: int, mtime_ns: int) -> str:
-    """sha256 of the file, first 16 hex digits (~0.1 s for the embedded 98 MB; size and
-    mtime are in the arguments only so that a rewritten file is hashed again)."""
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
 
 
 def converted_gguf(gguf: Path) -> Path:

@@ -20,9 +20,10 @@ import torch
 
 from engine import attention, batch_invariant, cpu_kernels, huge_pages
 from engine.attention import AttentionMetadata, build_metadata
+from engine.cache_paths import cache_root
 from engine.compile import CompiledForward, use_cache_dir, wants_compile
 from engine.config import EngineConfig
-from engine.loader import cache_root, load_model
+from engine.loader import load_model
 from engine.runner_output import RequestFault, RunnerOutput
 from engine.sampler import compute_prompt_logprobs, sample
 from engine.sampling_batch import GrammarMasks, SamplingBatch, SamplingBatchBuilder

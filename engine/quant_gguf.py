@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.loader import gguf_cache_dir
+from engine.cache_paths import gguf_cache_dir
 from engine.quant_pack import Int4Weight, Int8Weight, quantize_int8
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,19 @@ cleanup() {
 trap cleanup EXIT
 
 echo "check-wheel: building the wheel ..."
-.venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$repo"
+# From a copy of the files git would commit: setuptools' build/ folder in the checkout keeps
+# modules that were since moved or deleted, and would ship them.
+mkdir "$work/src"
+git ls-files -z --cached --others --exclude-standard | python3 -c '
+import shutil, sys
+from pathlib import Path
+for name in filter(None, sys.stdin.buffer.read().split(b"\0")):
+    path = Path(name.decode())
+    if path.is_file():  # not one deleted in the working tree
+        (Path(sys.argv[1]) / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, Path(sys.argv[1]) / path)
+' "$work/src"
+.venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$work/dist" "$work/src"
 python3 -m venv "$work/venv"
 pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q)
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")

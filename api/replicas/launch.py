@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import shlex
 import signal
 import threading
 from typing import Any
@@ -23,9 +22,9 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from api.replicas.ingress import Ingress
-from api.replicas.options import ReplicaOptions, replica_options
+from api.replicas.options import ReplicaOptions
 from api.replicas.router import router_class
-from engine.config import EngineConfig, load_config
+from engine.config import EngineConfig
 from engine.replicas.board import create_board
 from engine.replicas.deployment import EngineReplica
 from engine.replicas.loopback import use_loopback_cluster
@@ -58,22 +57,6 @@ def settings_from_args(args: argparse.Namespace, replicas: ReplicaOptions) -> Se
                    "metrics_prefix": args.metrics_prefix}
     return ServeSettings(replicas, app_options, args.shutdown_timeout, host=args.host,
                          port=args.port)
-
-
-def app_from_env(_: dict[str, str] | None = None) -> Any:
-    """An application builder for a Serve config's `import_path` (the KubeRay RayService in
-    deploy/rayservice.yaml): the `pagedserve serve` flags come from $PAGEDSERVE_ARGS, the
-    cluster and the HTTP proxy from the RayService. The board is a named detached actor: the
-    task that runs this builder ends, the application lives on."""
-    from api.cli import build_parser, config_overrides
-
-    args = build_parser().parse_args(["serve", *shlex.split(os.environ.get("PAGEDSERVE_ARGS",
-                                                                          ""))])
-    replicas = replica_options(args) or ReplicaOptions(num_replicas=1)
-    config = load_config(args.config, **config_overrides(args))
-    settings = dataclasses.replace(settings_from_args(args, replicas),
-                                   num_gpus_per_replica=gpus_per_replica(config))
-    return build_app(config, settings, create_board(detached_name=f"{APP_NAME}-board"))
 
 
 def build_app(config: EngineConfig, settings: ServeSettings, board: Any) -> Any:

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from engine import loader
+from engine.cache_paths import cache_root, gguf_cache_dir
 from engine.loader import (
-    cache_root,
     converted_gguf,
     embedded_gguf,
-    gguf_cache_dir,
     load_model,
     resolve_device,
     resolve_dtype,

@@ -93,7 +93,7 @@ def test_rayservice_builder_reads_the_serve_flags(monkeypatch: pytest.MonkeyPatc
     is needed to build it: the board and the GPU count are stubbed)."""
     from ray import serve
 
-    from api.replicas import launch
+    from api.replicas import rayservice
 
     boards: list[str | None] = []
 
@@ -101,13 +101,13 @@ def test_rayservice_builder_reads_the_serve_flags(monkeypatch: pytest.MonkeyPatc
         boards.append(detached_name)
         return "board"
 
-    monkeypatch.setattr(launch, "create_board", fake_board)
-    monkeypatch.setattr(launch, "gpus_per_replica", lambda config: 0.0)
+    monkeypatch.setattr(rayservice, "create_board", fake_board)
+    monkeypatch.setattr(rayservice, "gpus_per_replica", lambda config: 0.0)
     monkeypatch.setenv("PAGEDSERVE_ARGS", "--config tiny --min-replicas 1 --max-replicas 3 "
                        "--routing round-robin --api-key k")
-    app = launch.app_from_env({})
+    app = rayservice.app_from_env({})
     assert isinstance(app, serve.Application)
     assert boards == ["pagedserve-board"]  # detached: the builder's task ends, the app stays
     monkeypatch.setenv("PAGEDSERVE_ARGS", "--num-replicas 0")
     with pytest.raises(SystemExit):
-        launch.app_from_env({})
+        rayservice.app_from_env({})
