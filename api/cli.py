@@ -28,7 +28,8 @@ from api.metrics import DEFAULT_PREFIX, check_prefix
 from api.replicas.options import ReplicaOptions, add_replica_flags, replica_options
 from api.server import DEFAULT_SHUTDOWN_TIMEOUT_S, GracefulServer
 from api.state import DEFAULT_MAX_BODY_BYTES
-from engine.config import ATTENTION_BACKENDS
+from engine.config import EngineConfig, read_config_file
+from scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -36,60 +37,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedserve")
 
-PRESET = "default: from the --config preset"
+# The engine's and the scheduler's settings that are flags: generated from their dataclass
+# fields (scheduler/config.py's option(): one place holds each default and its help).
+CONFIG_CLASSES = (EngineConfig, SchedulerConfig)
 
-# flag -> (EngineConfig/SchedulerConfig field, type, help). None defaults defer to the preset.
-ENGINE_FLAGS: dict[str, tuple[str, Any, str]] = {
-    "--model": ("model", str, ("model folder (safetensors), GGUF file or cached HF id "
-                               "(default: the embedded SmolLM2-135M-Instruct)")),
-    "--served-model-name": ("served_model_name", str,
-                            "model id in /v1/models and responses (default: from --model)"),
-    "--dtype": ("dtype", str, "auto | float32 | bfloat16 | float16 (default: auto)"),
-    "--device": ("device", str, "auto | cpu | cuda | cuda:N (default: auto)"),
-    "--quantization": ("quantization", str,
-                       ("weights: auto (in bfloat16 a GGUF keeps its Q4/Q8 weights; "
-                        "safetensors, or any other dtype, stays dense) | none (dense) | int8 | "
-                        "int4 (quantized at load; the kernels compute in bfloat16) (default: "
-                        "auto)")),
-    "--attention-backend": ("attention_backend", str,
-                            ("decode attention on the CPU: auto (our C++ paged-decode kernel, "
-                             "built with g++ on first start and cached; the torch path if it "
-                             "cannot be built) | torch (gather the blocks, two bmm); other "
-                             "devices always use torch; see docs/performance.md (default: "
-                             "auto)")),
-    "--block-size": ("block_size", int, f"tokens per KV block ({PRESET}, else 16)"),
-    "--num-kv-blocks": ("num_kv_blocks", int,
-                        ("KV pool size in blocks; wins over --kv-cache-memory (default: sized "
-                         "from memory)")),
-    "--kv-cache-memory": ("kv_cache_memory", str,
-                          f"KV pool size in bytes, e.g. 2GiB ({PRESET}, 1GiB in default)"),
-    "--gpu-memory-utilization": ("gpu_memory_utilization", float,
-                                 "CUDA: fraction of GPU memory the engine may use (default 0.9)"),
-    "--max-num-seqs": ("max_num_seqs", int, f"sequences per step ({PRESET}, else 64)"),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int,
-                                 f"token budget of one step ({PRESET}, else 2048)"),
-    "--max-model-len": ("max_model_len", int,
-                        f"prompt + output tokens per sequence ({PRESET}, else 2048)"),
-    "--long-prefill-token-threshold": ("long_prefill_token_threshold", int,
-                                       (f"max tokens one prefill may take per step, 0 = no cap "
-                                        f"({PRESET}, else 0)")),
-    "--decode-step-prefill-tokens": ("decode_step_prefill_tokens", int,
-                                     ("prompt tokens one step may take while other sequences "
-                                      "decode, so long prompts cannot stall their streams; "
-                                      f"0 = only the step budget ({PRESET}, else 0)")),
-    "--decode-step-prefill-tokens-per-seq": (
-        "decode_step_prefill_tokens_per_seq", int,
-        ("grow that cap to this many prompt tokens per decoding sequence, so a wide decode "
-         f"batch still admits new prompts quickly; 0 = a fixed cap ({PRESET}, else 0)")),
-    "--max-num-queued-reqs": ("max_num_queued_reqs", int,
-                              "waiting requests before 429, 0 = unbounded (default 0)"),
-    "--max-num-queued-tokens": ("max_num_queued_tokens", int,
-                                "waiting prompt tokens before 429, 0 = unbounded (default 0)"),
-    "--scheduling-policy": ("policy", str, "fcfs | priority (default: fcfs)"),
-    "--seed": ("seed", int, "engine random seed (default 0)"),
-    "--num-threads": ("num_threads", int,
-                      "torch CPU threads (default: all usable cores)"),
-}
+
+def config_fields() -> list[dataclasses.Field[Any]]:
+    return [f for cls in CONFIG_CLASSES for f in dataclasses.fields(cls) if "help" in f.metadata]
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata["flag"] or "--" + f.name.replace("_", "-"))
+
+
+# flag -> the EngineConfig / SchedulerConfig field it sets
+ENGINE_FLAGS: dict[str, str] = {flag_name(f): f.name for f in config_fields()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,29 +106,10 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="prefix of every /metrics name before the ':'; `vllm` gives vLLM's "
                    "names (vllm:num_requests_running ...) so its dashboards and autoscaling "
                    f"rules work unchanged (default: {DEFAULT_PREFIX})")
-    for flag, (_, kind, help_) in ENGINE_FLAGS.items():
-        extra: dict[str, Any] = {}
-        if flag == "--scheduling-policy":
-            extra["choices"] = ["fcfs", "priority"]
-        if flag == "--dtype":
-            extra["choices"] = ["auto", "float32", "bfloat16", "float16"]
-        if flag == "--quantization":
-            extra["choices"] = ["auto", "none", "int8", "int4"]
-        if flag == "--attention-backend":
-            extra["choices"] = list(ATTENTION_BACKENDS)
-        p.add_argument(flag, type=kind, default=None, help=help_, **extra)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None, help=f"reuse KV blocks of shared prompt prefixes ({PRESET}, "
-                   "else on)")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
-                   help="a request's tokens do not depend on what else is in its batch: the "
-                   "same seeded request samples the same tokens alone or under load, in any "
-                   f"dtype; costs step time, see docs/operations.md ({PRESET}, else off); "
-                   "runs the model eagerly, as --enforce-eager")
-    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="run the model forward eagerly instead of torch.compile'd (as vLLM's "
-                   "flag): no compile at start-up, slower steps; see docs/performance.md "
-                   f"({PRESET}, else off)")
+    preset = read_config_file("default")
+    preset_values = {**preset.get("engine", {}), **preset.get("scheduler", {})}
+    for f in config_fields():
+        _add_config_flag(p, f, preset_values)
     add_replica_flags(p)
 
 
@@ -216,13 +159,35 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _add_config_flag(p: argparse.ArgumentParser, f: dataclasses.Field[Any],
+                     preset_values: dict[str, Any]) -> None:
+    """A flag for a config field. Its default is None, "whatever --config says", so the help
+    names the default preset's value where it sets one, else the field's own default."""
+    meta = f.metadata
+    default = _shown(f.default, meta["default_text"])
+    if f.name in preset_values and preset_values[f.name] != f.default:
+        default = f"{_shown(preset_values[f.name])} in the default preset, else {default}"
+    help_ = f"{meta['help']} (default: {default})"
+    if f.default is True or f.default is False:
+        p.add_argument(flag_name(f), action=argparse.BooleanOptionalAction, default=None,
+                       help=help_)
+        return
+    kind = meta["kind"] or type(f.default)
+    p.add_argument(flag_name(f), type=kind, default=None, help=help_, choices=meta["choices"])
+
+
+def _shown(value: Any, text_for_none: str | None = None) -> str:
+    if value is None:
+        return str(text_for_none)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
 def config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The flags given on the command line, as EngineConfig/SchedulerConfig fields."""
     overrides = {field: getattr(args, flag[2:].replace("-", "_"))
-                 for flag, (field, _, _) in ENGINE_FLAGS.items()}
-    overrides["enable_prefix_caching"] = args.enable_prefix_caching
-    overrides["batch_invariant"] = args.batch_invariant
-    overrides["enforce_eager"] = args.enforce_eager
+                 for flag, field in ENGINE_FLAGS.items()}
     return {k: v for k, v in overrides.items() if v is not None}
 
 

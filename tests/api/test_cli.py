@@ -111,3 +111,43 @@ def test_presets_are_package_data_read_from_any_directory(tmp_path: Path,
     assert load_config("gpu").device.startswith("cuda")
     with pytest.raises(FileNotFoundError, match="presets default, gpu, tiny"):
         load_config("nope")
+
+
+def test_config_flags_come_from_the_dataclasses_with_their_defaults() -> None:
+    """Issue 31: each default and its help live once, on the config field; the flag and its
+    help are generated, naming the default preset's value where it differs."""
+    import argparse
+    import dataclasses
+
+    from api.cli import _add_serve_flags
+    from engine.config import EngineConfig
+    from scheduler.config import SchedulerConfig
+
+    serve = argparse.ArgumentParser()
+    _add_serve_flags(serve)
+    helps = {a.option_strings[0]: str(a.help) for a in serve._actions if a.option_strings}
+    assert helps["--max-num-batched-tokens"].endswith(
+        "(default: 1024 in the default preset, else 2048)")
+    assert helps["--max-num-seqs"].endswith("(default: 64)")
+    fields = [f for cls in (EngineConfig, SchedulerConfig) for f in dataclasses.fields(cls)
+              if "help" in f.metadata]
+    assert {ENGINE_FLAGS[flag] for flag in ENGINE_FLAGS} == {f.name for f in fields}
+    for f in fields:
+        flag = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+        assert f.metadata["help"] in str(helps[flag]), flag
+
+
+def test_the_readme_flag_table_is_the_generated_help() -> None:
+    """The README's rows for the config flags say what `--help` says, word for word."""
+    import argparse
+
+    from api.cli import _add_serve_flags, config_fields, flag_name
+
+    serve = argparse.ArgumentParser()
+    _add_serve_flags(serve)
+    helps = {a.option_strings[0]: str(a.help) for a in serve._actions if a.option_strings}
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for f in config_fields():
+        flag = flag_name(f)
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `{flag}`"))
+        assert row.endswith(f" | {helps[flag].replace('|', chr(92) + '|')} |"), flag
