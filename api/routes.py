@@ -85,11 +85,16 @@ async def _tokens_of(app: AppState, body: dict[str, Any]) -> list[int]:
         prompt = get_str(body, "prompt")
         if prompt is None:
             raise bad_request("prompt must be a string", param="prompt")
+        # A text no context can hold is refused before it is tokenized, as on the
+        # generation routes: it could only cost the tokenizer seconds.
         return await tokenize_text(app.engine, prompt,
-                                   get_bool(body, "add_special_tokens", True), "prompt")
+                                   get_bool(body, "add_special_tokens", True), "prompt",
+                                   app.limits())
     messages = parse_messages(body["messages"])
-    return await render_chat(app.engine, messages, parse_template_fields(body, app.trust_request_chat_template),
-                             parse_tools(body), get_bool(body, "add_special_tokens", False))
+    return await render_chat(app.engine, messages,
+                             parse_template_fields(body, app.trust_request_chat_template),
+                             parse_tools(body), get_bool(body, "add_special_tokens", False),
+                             app.limits())
 
 
 async def detokenize(request: Request) -> Response:

@@ -35,7 +35,6 @@ from engine.protocol import (
     ready_unless_ended,
 )
 from engine.structured import GrammarFuture, param_error, settled_on
-from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.engine")
@@ -121,7 +120,7 @@ class AsyncEngine(ClientSide):
             raise
         tok = self.engine.tokenizer
         # HF fast tokenizers are not safe to share across threads: the API gets its own.
-        self._tokenizer = Tokenizer(copy.deepcopy(tok.hf), tok.eos_token_ids)
+        self._set_tokenizers(lambda: copy.deepcopy(tok.hf), tok.eos_token_ids)
         self._limits = self.engine.limits
         self._stats = self.engine.stats()
 
@@ -134,6 +133,7 @@ class AsyncEngine(ClientSide):
         self._fail_all(EngineDeadError("server shutting down"))
         self._stopped.set()  # also when the loop never ran: no more tokenizer work either
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
+        self._bulk_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests (event-loop side) -------------------------------------------------------
 

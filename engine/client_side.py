@@ -27,6 +27,7 @@ from engine.tokenizer import Tokenizer
 logger = logging.getLogger("pagedserve.engine")
 
 STUCK_AFTER_S = 120.0  # a step running longer than this makes /health fail
+BULK_TEXT_CHARS = 64 * 1024  # longer texts are tokenized on the bulk lane (see ClientSide)
 
 T = TypeVar("T")
 
@@ -49,9 +50,16 @@ class ClientSide:
         self.model_name = config.served_model_name or default_model_name(config.model)
         self._clock = clock  # time.monotonic unless a test drives it
         self._stuck_after_s = stuck_after_s
+        # Two lanes, one thread and one tokenizer copy each (an HF tokenizer must not be used
+        # by two threads at once): texts up to BULK_TEXT_CHARS on one, longer ones on the
+        # other, so five 4 MB prompts (~17 s of encoding) queue behind each other, not ahead
+        # of every ordinary request.
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="pagedserve-tokenizer")
+        self._bulk_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="pagedserve-tokenizer-bulk")
         self._tokenizer: Tokenizer | None = None  # the tokenizer thread's own copy
+        self._bulk_tokenizer: Tokenizer | None = None  # the bulk thread's own copy
         self._limits: EngineLimits | None = None  # set once loaded
         self._stats = EngineStats()
         self._ready = False
@@ -90,25 +98,39 @@ class ClientSide:
     # ---- tokenizer work -------------------------------------------------------------------
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._on_tokenizer(lambda tok: tok.encode(text, add_special_tokens))
+        return await self._on_tokenizer(lambda tok: tok.encode(text, add_special_tokens),
+                                        bulk=len(text) > BULK_TEXT_CHARS)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         if self._limits is not None:  # before the load, _on_tokenizer refuses anyway
             check_token_ids("tokens", token_ids, self._limits.vocab_size)
         return await self._on_tokenizer(lambda tok: tok.decode(token_ids,
-                                                               skip_special_tokens=False))
+                                                               skip_special_tokens=False),
+                                        bulk=len(token_ids) > BULK_TEXT_CHARS // 4)
 
     async def apply_chat_template(self, messages: list[dict[str, Any]],
                                   args: ChatTemplateArgs | None = None) -> str:
         chat = args if args is not None else ChatTemplateArgs()
-        return await self._on_tokenizer(lambda tok: tok.render_chat(messages, chat))
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        return await self._on_tokenizer(lambda tok: tok.render_chat(messages, chat),
+                                        bulk=size > BULK_TEXT_CHARS)
 
-    async def _on_tokenizer(self, work: Callable[[Tokenizer], T]) -> T:
-        """Run tokenizer work on the tokenizer thread: HF tokenizers release the GIL while
-        they encode, so a 4 MB prompt (3.5 s here) does not stall other streams."""
+    async def _on_tokenizer(self, work: Callable[[Tokenizer], T], bulk: bool = False) -> T:
+        """Run tokenizer work on a tokenizer thread (the bulk one for long inputs): HF
+        tokenizers release the GIL while they encode, so a 4 MB prompt (3.5 s here) stalls
+        neither other streams nor, on its own lane, other requests' tokenizing."""
         tok = self._tokenizer
         if tok is None:
             raise EngineDeadError("the engine is not ready (model still loading)")
         if self._stopped.is_set():
             raise EngineDeadError("the engine loop is not running")
-        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, work, tok)
+        loop = asyncio.get_running_loop()
+        if bulk and self._bulk_tokenizer is not None:
+            return await loop.run_in_executor(self._bulk_pool, work, self._bulk_tokenizer)
+        return await loop.run_in_executor(self._tok_pool, work, tok)
+
+    def _set_tokenizers(self, hf_copy: Callable[[], Any], eos_token_ids: Any) -> None:
+        """The two lanes' tokenizers: one copy each, made here, before any lane runs (a
+        tokenizer is not to be copied while another thread encodes with it)."""
+        self._bulk_tokenizer = Tokenizer(hf_copy(), eos_token_ids)
+        self._tokenizer = Tokenizer(hf_copy(), eos_token_ids)

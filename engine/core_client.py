@@ -49,7 +49,6 @@ from engine.protocol import (
     RequestStream,
     ready_unless_ended,
 )
-from engine.tokenizer import Tokenizer
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.engine")
@@ -122,6 +121,7 @@ class EngineCoreClient(ClientSide):
         self._stopped.set()
         self._stop_requested.set()
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
+        self._bulk_pool.shutdown(wait=False, cancel_futures=True)
 
     def _reap(self) -> None:
         """Wait for the core to exit; terminate, then kill, one that does not."""
@@ -230,7 +230,7 @@ class EngineCoreClient(ClientSide):
             self._loaded.set()
 
     def _on_ready(self, msg: Ready) -> None:
-        self._tokenizer = Tokenizer(pickle.loads(msg.tokenizer), msg.eos_token_ids)
+        self._set_tokenizers(lambda: pickle.loads(msg.tokenizer), msg.eos_token_ids)
         self._limits, self._stats = msg.limits, msg.stats
         self._loaded.set()
 

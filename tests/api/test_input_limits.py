@@ -373,6 +373,10 @@ def test_prompt_text_too_long_to_fit_is_refused_before_tokenizing() -> None:
         for path, body, param in (
                 ("/v1/completions", {"prompt": "x" * 513}, "prompt"),
                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": "é" * 300}]},
+                 "messages"),
+                # issue 31: /tokenize skipped the gate (five 4 MB texts held the tokenizer)
+                ("/tokenize", {"prompt": "x" * 513}, "prompt"),
+                ("/tokenize", {"messages": [{"role": "user", "content": "é" * 300}]},
                  "messages")):
             r = client.post(path, json=body)
             assert assert_error(r, 400, param)["code"] == "context_length_exceeded"

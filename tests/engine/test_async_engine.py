@@ -374,3 +374,33 @@ def test_tokenizer_work_runs_off_the_event_loop(llama_runner: ModelRunner) -> No
             await eng.tokenize("after shutdown")
 
     run_async(main())
+
+
+def test_long_texts_do_not_queue_ahead_of_short_ones(llama_runner: ModelRunner) -> None:
+    """Issue 31: one tokenizer thread served everyone, so a few megabyte texts (/tokenize,
+    truncate_prompt_tokens) made every new request wait seconds. Long texts have a lane of
+    their own: a short text sent behind two long ones is tokenized first."""
+    from engine.client_side import BULK_TEXT_CHARS
+
+    long_text = "tokenize me " * (2 * 1024 * 1024 // 12)
+    assert len(long_text) > BULK_TEXT_CHARS
+
+    async def main() -> list[str]:
+        eng = make(llama_runner)
+        await eng.start()
+        done: list[str] = []
+
+        async def timed(name: str, text: str) -> None:
+            await eng.tokenize(text)
+            done.append(name)
+
+        try:
+            longs = [asyncio.create_task(timed(f"long{i}", long_text)) for i in range(2)]
+            await asyncio.sleep(0.05)  # both long ones are on their lane
+            await timed("short", "hello")
+            await asyncio.gather(*longs)
+        finally:
+            await eng.shutdown()
+        return done
+
+    assert run_async(main())[0] == "short"
