@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedserve")
 
+# After the drain and the engine's own shutdown wait (STOP_WAIT_S), the step loop may take
+# this much longer to return before the step counts as hung: 25 + 3 + 1 s, within
+# Kubernetes' default 30 s grace.
+HUNG_STEP_GRACE_S = 1.0
+
 # The engine's and the scheduler's settings that are flags: generated from their dataclass
 # fields (scheduler/config.py's option(): one place holds each default and its help).
 CONFIG_CLASSES = (EngineConfig, SchedulerConfig)
@@ -250,21 +255,36 @@ def serve(args: argparse.Namespace) -> None:
     # Signals reach the main thread, which hands them to the HTTP server.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, server.handle_exit)
-    run_serving(engine, server)
+    run_serving(engine, server, exit_if_hung=True)
 
 
-def run_serving(engine: AsyncEngine | EngineCoreClient, server: GracefulServer) -> None:
+def run_serving(engine: AsyncEngine | EngineCoreClient, server: GracefulServer,
+                exit_if_hung: bool = False) -> None:
     """HTTP on a thread of its own, the engine's step loop on the calling thread (see
     AsyncEngine.run_step_loop; with --engine-core process the steps run in the core process
     and the calling thread only waits), until the server stops. The CLI calls it from the main
-    thread; tests call it from a thread they start, so both run the same path."""
+    thread; tests call it from a thread they start, so both run the same path.
+
+    `exit_if_hung` (the CLI): once the server has drained and stopped, a step that still has
+    not returned after HUNG_STEP_GRACE_S is hung (nothing can interrupt it: it is in torch's
+    C++ on the main thread), and the process exits at once with status 1 instead of outliving
+    the orchestrator's grace period (Kubernetes kills at 30 s; the drain takes 25)."""
     def serve_http() -> None:
         try:
             server.run()
         finally:  # also when it could not start (port taken): the engine must not outlive it
             engine.request_stop()
+        if exit_if_hung and not loop_returned.wait(HUNG_STEP_GRACE_S):
+            logger.error("the engine's step did not return within %.0f s of shutdown: it is "
+                         "hung; exiting now", HUNG_STEP_GRACE_S)
+            logging.shutdown()
+            os._exit(1)
 
+    loop_returned = threading.Event()
     thread = threading.Thread(target=serve_http, name="pagedserve-http")
     thread.start()
-    engine.run_step_loop()  # returns once the server's shutdown has stopped the engine
+    try:
+        engine.run_step_loop()  # returns once the server's shutdown has stopped the engine
+    finally:
+        loop_returned.set()
     thread.join()

@@ -40,7 +40,9 @@ from scheduler.sampling_params import SamplingParams
 logger = logging.getLogger("pagedserve.engine")
 
 MAX_CONSECUTIVE_FAILURES = 3  # then the engine is declared dead
-STOP_WAIT_S = 30.0  # shutdown() waits this long for the current step to end
+# shutdown() waits this long for the current step to end: the drain before it has already
+# given requests --shutdown-timeout, and a step that takes longer is hung or compiling.
+STOP_WAIT_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)

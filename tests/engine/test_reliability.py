@@ -255,3 +255,41 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int) -> None:
             pass
         time.sleep(0.2)
     raise AssertionError("the server did not become healthy")
+
+
+def test_sigterm_ends_the_process_within_the_grace_while_a_step_hangs(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """Issue 31: a hung step kept the process ~55 s after SIGTERM (a 25 s drain, then a 30 s
+    wait for the step), past Kubernetes' 30 s grace. Now: the drain, a short wait, and an exit
+    with status 1 (the step cannot be interrupted); the stuck request is answered."""
+    port, hung = _free_port(), tmp_path / "step-hung"
+    cmd = [sys.executable, "-m", "tests.support.hung_step", "serve", "--model",
+           str(tiny_llama), "--config", "tiny", "--port", str(port), "--num-threads", "1",
+           "--shutdown-timeout", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_TEST_STEP_HUNG": str(hung)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_healthy(proc, port)
+        with ThreadPoolExecutor(1) as pool:
+            stuck = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions",
+                                json={"prompt": "hi", "seed": 7777}, timeout=60)
+            deadline = time.monotonic() + 30
+            while not hung.exists():
+                assert time.monotonic() < deadline, "the step never hung"
+                time.sleep(0.05)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 1
+            elapsed = time.monotonic() - signalled
+            try:
+                answer: int | None = stuck.result(10).status_code
+            except httpx.HTTPError:
+                answer = None  # closed with the process: an answer too, not a hang
+        assert elapsed < 2 + 3 + 1 + 4, elapsed  # drain, shutdown wait, hung grace, margin
+        assert answer in (500, 503, None), answer
+        log = proc.stdout.read().decode() if proc.stdout else ""
+        assert "it is hung; exiting now" in log, log[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
