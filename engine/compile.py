@@ -165,7 +165,7 @@ class CompiledForward:
             return sorted({1, min(2, self.buckets[-1]), self.buckets[-1]})
         return list(self.buckets)
 
-    def warm_up(self, run: Callable[[int], None]) -> float:
+    def warm_up(self, run: Callable[[int], object]) -> float:
         """Compile every shape now (run(size): one dummy forward of size tokens), not on a
         request's step; with a warm on-disk cache each compile is a load. -> seconds."""
         from torch._dynamo.utils import counters

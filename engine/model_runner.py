@@ -176,7 +176,14 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated(self.device)
 
     def _worst_prefill(self) -> None:
-        self._dummy_forward(0, 0, self.config.scheduler.max_num_batched_tokens, kv_cache=None)
+        """The whole token budget in one prefill whose every row is kept and scored, as a
+        prompt_logprobs request's are: its [rows, vocab] logits and their float32 log-softmax
+        are the step's largest transient (an 8B Llama-3 at 2048 rows: ~3 GB), which a profile
+        keeping only max_num_seqs rows left out of the KV budget."""
+        rows = self.config.scheduler.max_num_batched_tokens
+        logits = self._dummy_forward(0, 0, rows, kv_cache=None, keep_rows=rows)
+        targets = torch.zeros(logits.shape[0], dtype=torch.long, device=self.device)
+        compute_prompt_logprobs(logits.float(), targets, 1)
 
     def _worst_decode_step(self, kv_cache: torch.Tensor | None = None) -> None:
         """max_num_seqs decodes at max_model_len context, the rest of the token budget one
@@ -202,10 +209,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _dummy_forward(self, num_decodes: int, context: int, num_prefill: int,
-                       kv_cache: torch.Tensor | None) -> None:
+                       kv_cache: torch.Tensor | None,
+                       keep_rows: int | None = None) -> torch.Tensor:
         """num_decodes decodes of `context` tokens whose block tables are all block 0, then
         one c == 0 prefill of num_prefill tokens (it reads nothing from the pool). New K/V go
-        to block 0 (nowhere when kv_cache is None, which allows no decodes)."""
+        to block 0 (nowhere when kv_cache is None, which allows no decodes). The logits of
+        `keep_rows` rows (default: a sampled row per sequence, max_num_seqs) are returned."""
         bs, dev = self.block_size, self.device
         table = [0] * -(-context // bs)
         slots = [(context - 1) % bs] * num_decodes + [p % bs for p in range(num_prefill)]
@@ -214,8 +223,9 @@ class ModelRunner:
                               dev, paged_decode_kernel=self.paged_decode_kernel)
         n = num_decodes + num_prefill
         positions = [context - 1] * num_decodes + list(range(num_prefill))
-        keep = torch.arange(min(n, self.config.scheduler.max_num_seqs), device=dev)
-        self._forward(self._padded([0] * n), self._padded(positions), meta, keep)
+        kept = self.config.scheduler.max_num_seqs if keep_rows is None else keep_rows
+        keep = torch.arange(min(n, kept), device=dev)
+        return self._forward(self._padded([0] * n), self._padded(positions), meta, keep)
 
     def _padded(self, values: list[int]) -> torch.Tensor:
         """[1, T] on the device; padded with zeros to the compiled bucket of T (see

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from engine import model_runner
 from engine.model_runner import ModelRunner
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence
@@ -142,6 +144,32 @@ def test_worst_decode_step_runs_grouped(llama_runner: ModelRunner,
     llama_runner._worst_decode_step()
     llama_runner._worst_decode_step(llama_runner.kv_cache)
     assert groups == [8, 8]
+
+
+def test_worst_prefill_keeps_and_scores_every_row(llama_runner: ModelRunner,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31: a prompt_logprobs step keeps every prompt row's logits and takes their
+    float32 log-softmax, but the CUDA profile kept max_num_seqs rows, so several long echo
+    requests could take memory the KV pool had been given. The profile's worst prefill now
+    keeps (and scores) the whole token budget, the most a real step keeps."""
+    kept: list[int] = []
+    scored: list[int] = []
+    forward, score = llama_runner._forward, model_runner.compute_prompt_logprobs
+
+    def spy_forward(*args: Any) -> torch.Tensor:
+        kept.append(int(args[3].numel()))
+        return forward(*args)
+
+    def spy_score(logits: torch.Tensor, *args: Any) -> Any:
+        scored.append(logits.shape[0])
+        return score(logits, *args)
+
+    monkeypatch.setattr(llama_runner, "_forward", spy_forward)
+    monkeypatch.setattr(model_runner, "compute_prompt_logprobs", spy_score)
+    llama_runner._worst_prefill()
+    budget = llama_runner.config.scheduler.max_num_batched_tokens
+    assert budget > llama_runner.config.scheduler.max_num_seqs
+    assert kept == [budget] and scored == [budget]
 
 
 def test_runner_facts_and_kv_pool(llama_runner: ModelRunner) -> None:
