@@ -89,9 +89,12 @@ class EngineCoreClient(ClientSide):
         parent, child = multiprocessing.Pipe()
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)  # read when the forkserver starts (the first core)
+        # Not a daemon: a daemonic process may not start processes, and the core starts its
+        # grammar-compile workers (engine/grammar_worker.py). shutdown() joins, terminates
+        # and then kills it; if this process dies first, the core's reads end and so does it.
         proc = ctx.Process(target=run_engine_core, name="pagedserve-engine-core",
                            args=(self.config, child, logging.getLogger().getEffectiveLevel()),
-                           daemon=True)
+                           daemon=False)
         await asyncio.to_thread(proc.start)
         child.close()  # only the child holds its end now: its exit ends our reads
         self._proc, self._conn = proc, parent

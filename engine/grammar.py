@@ -10,25 +10,26 @@ word t // 32 is set; one row per constrained sequence, ceil(vocab / 32) words pe
 
 from __future__ import annotations
 
-import json
 import re
+import threading
 from collections.abc import Collection
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
+from engine.grammar_worker import (
+    CompileLimitError,
+    CompileWorker,
+    GrammarError,
+    choice_grammar,
+)
 from scheduler.sampling_params import StructuredOutputsParams
 
 # xgrammar prefixes its messages with "[time] /path/file.cc:line: "; clients need the rest.
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
-JSON_OBJECT_SCHEMA = '{"type": "object"}'  # what json_object means (OpenAI's JSON mode)
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar",
                "regex": "regular expression", "choice": "choice list", "grammar": "grammar"}
-
-
-class GrammarError(ValueError):
-    """A spec that cannot be compiled (bad schema, regex, grammar or choice list)."""
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -85,8 +86,11 @@ class GrammarBackend:
         stops = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
         info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=stops or None)
-        # Our own cache (engine/structured.py) keeps compiled grammars; one is enough.
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        # Compiles run in worker processes, one per compile thread, bounded in time and
+        # memory (engine/grammar_worker.py); what they return is rebuilt against `info`.
+        self._info = info
+        self._info_json = info.serialize_json()
+        self._workers = threading.local()
         # Special tokens (<|im_start|>, ...) read as plain text to xgrammar but vanish from the
         # detokenized output, so they could make the text disagree with the grammar: never
         # allowed in a constrained row (stop tokens keep the grammar's say).
@@ -104,48 +108,29 @@ class GrammarBackend:
         return bitmask_words(self.vocab_size)
 
     def compile(self, so: StructuredOutputsParams) -> CompiledGrammar:
-        """Raises GrammarError when the spec cannot be compiled."""
-        try:
-            return CompiledGrammar(self._compile(so), so.kind in ("json", "json_object"))
-        except GrammarError:
-            raise
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/...
-            raise GrammarError(f"invalid {_KIND_NAMES[so.kind]}: {_clean(e)}") from None
-
-    def _compile(self, so: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        c = self._compiler
-        if so.kind == "json":
-            # Compact separators: with any whitespace allowed a sampling model can emit
-            # spaces forever and never close the object.
-            return c.compile_json_schema(so.spec, any_whitespace=False, strict_mode=True)
-        if so.kind == "json_object":
-            # An object at the root, any JSON inside: xgrammar's built-in JSON grammar also
-            # allows a root array or scalar ([0] came back), which OpenAI's contract does not.
-            # Not strict: strict mode would forbid the object's unnamed properties.
-            return c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=False,
-                                         strict_mode=False)
-        if so.kind == "regex":
-            return c.compile_regex(so.spec)
+        """Raises GrammarError when the spec cannot be compiled, or costs more time or
+        memory than a compile may take (a 400 naming the field, either way)."""
+        what = _KIND_NAMES[so.kind]
         if so.kind == "choice":
-            return c.compile_grammar(choice_grammar(so.spec))
-        return c.compile_grammar(so.spec)
+            choice_grammar(so.spec)  # its own message, before a worker is involved
+        try:
+            payload = self._worker().compile(so.kind, so.spec)
+        except CompileLimitError as e:
+            raise GrammarError(f"the {what} is too costly: {e}") from None
+        except ValueError as e:
+            raise GrammarError(f"invalid {what}: {_clean(e)}") from None
+        compiled = xgr.CompiledGrammar.deserialize_json(payload, self._info)
+        return CompiledGrammar(compiled, so.kind in ("json", "json_object"))
+
+    def _worker(self) -> CompileWorker:
+        """This compile thread's worker process (started on its first compile)."""
+        worker = getattr(self._workers, "worker", None)
+        if worker is None:
+            worker = self._workers.worker = CompileWorker(self._info_json)
+        return worker
 
     def matcher(self, grammar: CompiledGrammar) -> Matcher:
         return Matcher(grammar)
-
-
-def choice_grammar(spec: str) -> str:
-    """A JSON list of strings -> an EBNF grammar that matches exactly one of them."""
-    try:
-        choices = json.loads(spec)
-    except ValueError:
-        choices = None
-    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-        raise GrammarError("choice must be a list of strings")
-    if not choices or any(c == "" for c in choices):
-        raise GrammarError("choice must be a non-empty list of non-empty strings")
-    # json.dumps writes the escapes (\" \\ \n \uXXXX) that EBNF string literals read.
-    return "root ::= " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
 
 
 def _clean(error: Exception) -> str:
