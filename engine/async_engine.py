@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import logging
 import queue
 import threading
@@ -26,20 +25,19 @@ from typing import Any
 
 from engine.client_side import STUCK_AFTER_S, ClientSide
 from engine.config import EngineConfig
-from engine.drain import DrainRate
 from engine.llm_engine import LLMEngine
-from engine.outputs import ErrorCode, RequestOutput
+from engine.outputs import RequestOutput
 from engine.protocol import (
     EngineDeadError,
     RequestStream,
     ready_unless_ended,
 )
+from engine.step_loop import StepLoop
 from engine.structured import GrammarFuture, param_error, settled_on
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.engine")
 
-MAX_CONSECUTIVE_FAILURES = 3  # then the engine is declared dead
 # shutdown() waits this long for the current step to end: the drain before it has already
 # given requests --shutdown-timeout, and a step that takes longer is hung or compiling.
 STOP_WAIT_S = 3.0
@@ -76,7 +74,6 @@ class AsyncEngine(ClientSide):
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain = DrainRate()  # engine thread only
         self._looping = threading.Event()  # run_step_loop() was called
         self._loaded = threading.Event()  # the model is loaded (or failed to)
 
@@ -206,7 +203,7 @@ class AsyncEngine(ClientSide):
         """The step loop. Whatever ends it, every waiting client is told (never a hang)."""
         reason = "server shutting down"
         try:
-            self._loop_steps()
+            _EngineThread(self).run()
         except BaseException as e:
             logger.exception("engine loop crashed")
             self._dead = reason = f"engine loop crashed: {e}"
@@ -218,46 +215,8 @@ class AsyncEngine(ClientSide):
             finally:  # even if the engine's state is too broken to abort: nobody may hang
                 self._on_loop(self._fail_all, EngineDeadError(reason))
 
-    def _loop_steps(self) -> None:
-        # Block on the inbox while nothing can run (idle, or only compiles pending: a _Wake
-        # comes when one ends); a step with only compiles pending just installs grammars.
-        while self._drain_inbox(block=not self.engine.has_runnable()):
-            if not self.engine.has_unfinished():
-                self._update_stats()  # idle, or only aborts arrived: no step
-                continue
-            self._busy_since = self._clock()
-            try:
-                # A failed step does not raise: its requests get final outputs with an error.
-                outputs = self.engine.step()
-            finally:
-                self._busy_since = None
-                self._stuck_logged = False
-            self._drain.record(self._clock(), sum(o.finished for o in outputs))
-            self._update_stats()
-            self._check_failures(outputs)  # before delivering: a failed client sees it dead
-            if outputs:
-                self._on_loop(self._dispatch, outputs)
-
-    def _update_stats(self) -> None:
-        stats = self.engine.stats()
-        self._stats = dataclasses.replace(stats, finish_rate=self._drain.rate(self._clock()))
-
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued adds/aborts; when idle, wait for work. False = shut down."""
-        try:
-            cmd = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if cmd is None:
-                return False
-            self._apply(cmd)
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
-
     def _apply(self, cmd: _Add | _Abort | _Wake) -> None:
+        """One inbox message, on the engine thread."""
         if isinstance(cmd, _Wake):
             return
         if isinstance(cmd, _Abort):
@@ -270,16 +229,6 @@ class AsyncEngine(ClientSide):
             self._on_loop(self._admit, cmd.request_id, e)
         else:
             self._on_loop(self._admit, cmd.request_id, None)
-
-    def _check_failures(self, outputs: list[RequestOutput]) -> None:
-        """LLMEngine ended a failed step's requests and logged it ("engine step failed (N in a
-        row)"); after MAX_CONSECUTIVE_FAILURES in a row the engine is declared dead."""
-        failures = self.engine.consecutive_failures
-        if failures >= MAX_CONSECUTIVE_FAILURES and not self._dead:
-            error = next((o.error for o in outputs if o.error_code == ErrorCode.STEP_FAILED),
-                         None)
-            self._dead = f"engine loop died: {failures} steps failed in a row ({error})"
-            logger.error("%s: the engine is dead", self._dead)
 
     def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
         """Run fn(*args) on the event loop's thread, which owns the stream tables."""
@@ -315,3 +264,33 @@ class AsyncEngine(ClientSide):
             stream.put(error)
         self._pending.clear()
         self._streams.clear()
+
+
+class _EngineThread(StepLoop):
+    """AsyncEngine's step loop: its inbox, its stats, its stuck-step clock; deltas go back to
+    the event loop, which owns the stream tables."""
+
+    def __init__(self, owner: AsyncEngine) -> None:
+        super().__init__(owner.engine, owner._inbox, owner._clock)
+        self.owner = owner
+
+    def apply(self, msg: Any) -> None:
+        self.owner._apply(msg)
+
+    def idle(self) -> None:
+        self.owner._stats = self.stats()  # idle, or only aborts arrived: no step
+
+    def step_started(self) -> None:
+        self.owner._busy_since = self._clock()
+
+    def step_ended(self) -> None:
+        self.owner._busy_since = None
+        self.owner._stuck_logged = False
+
+    def stepped(self, outputs: list[RequestOutput]) -> None:
+        owner = self.owner
+        owner._stats = self.stats()
+        if self.dead is not None and owner._dead is None:
+            owner._dead = self.dead
+        if outputs:
+            owner._on_loop(owner._dispatch, outputs)

@@ -4,25 +4,23 @@ process of their own, so the step loop shares no interpreter lock with the HTTP 
 `run_engine_core` is the child's entry point (engine/core_client.py starts it). A reader
 thread turns the pipe's messages into an inbox; the main thread runs "drain inbox -> step ->
 send the step's deltas and stats" exactly as AsyncEngine's step loop does, and the grammar
-compiles wake it through the same inbox. The child ignores SIGINT/SIGTERM (the API process
+compiles wake it through the same inbox: both are engine/step_loop.py's StepLoop. The child ignores SIGINT/SIGTERM (the API process
 drains and then sends Shutdown) and exits when the API process goes away (the pipe ends).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import pickle
 import queue
 import signal
 import threading
-import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
-from engine.async_engine import MAX_CONSECUTIVE_FAILURES
 from engine.config import EngineConfig
 from engine.core_messages import (
     AbortRequest,
@@ -39,9 +37,9 @@ from engine.core_messages import (
     encode,
     refusal_info,
 )
-from engine.drain import DrainRate
 from engine.llm_engine import LLMEngine
-from engine.outputs import ErrorCode, RequestOutput
+from engine.outputs import RequestOutput
+from engine.step_loop import StepLoop
 from engine.structured import param_error
 from scheduler.sampling_params import StructuredOutputsParams
 
@@ -55,9 +53,6 @@ class _Compiled:
     request_id: str
     so: StructuredOutputsParams
     future: concurrent.futures.Future  # type: ignore[type-arg]
-
-
-_Inbox = queue.Queue[AddRequest | AbortRequest | Shutdown | _Compiled | None]
 
 
 def run_engine_core(config: EngineConfig, conn: Connection, log_level: int) -> None:
@@ -80,19 +75,19 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: int) -> N
     EngineCore(engine, conn).run()
 
 
-class EngineCore:
+class EngineCore(StepLoop):
+    """The core's step loop: messages come from the pipe (a reader thread feeds the inbox),
+    each step's deltas and stats go back down it."""
+
     def __init__(self, engine: LLMEngine, conn: Connection) -> None:
-        self.engine = engine
+        super().__init__(engine, queue.Queue())
         self._conn = conn
-        self._inbox: _Inbox = queue.Queue()
-        self._drain = DrainRate()
-        self._dead: str | None = None
         self._idle = True  # no step since the last one that left nothing runnable
 
     def run(self) -> None:
         threading.Thread(target=self._read, name="pagedserve-core-reader", daemon=True).start()
         try:
-            self._loop_steps()
+            super().run()
         finally:
             for request_id in list(self.engine.requests):  # free everything
                 self.engine.abort_request(request_id)
@@ -111,51 +106,28 @@ class EngineCore:
     def _send(self, msg: ToClient) -> None:
         self._conn.send_bytes(encode(msg))
 
-    def _loop_steps(self) -> None:
-        while self._drain_inbox(block=not self.engine.has_runnable()):
-            if not self.engine.has_unfinished():
-                self._send_step([])  # only aborts arrived: the stats changed, no step
-                continue
-            if self._idle:
-                self._send(Busy())
-                self._idle = False
-            outputs = self.engine.step()  # a failed step ends its requests, does not raise
-            self._drain.record(time.monotonic(), sum(o.finished for o in outputs))
-            self._check_failures(outputs)
-            self._send_step(outputs)
+    # ---- StepLoop's hooks ---------------------------------------------------------------
+
+    def is_stop(self, msg: Any) -> bool:
+        return isinstance(msg, Shutdown)
+
+    def idle(self) -> None:
+        self._send_step([])  # only aborts arrived: the stats changed, no step
+
+    def step_started(self) -> None:
+        if self._idle:
+            self._send(Busy())
+            self._idle = False
+
+    def stepped(self, outputs: list[RequestOutput]) -> None:
+        self._send_step(outputs)
 
     def _send_step(self, outputs: list[RequestOutput]) -> None:
         busy = self.engine.has_runnable()
         self._idle = not busy
-        stats = dataclasses.replace(self.engine.stats(),
-                                    finish_rate=self._drain.rate(time.monotonic()))
-        self._send(StepDone(outputs, stats, busy, self._dead))
+        self._send(StepDone(outputs, self.stats(), busy, self.dead))
 
-    def _check_failures(self, outputs: list[RequestOutput]) -> None:
-        """As AsyncEngine: so many failed steps in a row and the engine is declared dead."""
-        failures = self.engine.consecutive_failures
-        if failures >= MAX_CONSECUTIVE_FAILURES and not self._dead:
-            error = next((o.error for o in outputs if o.error_code == ErrorCode.STEP_FAILED),
-                         None)
-            self._dead = f"engine loop died: {failures} steps failed in a row ({error})"
-            logger.error("%s: the engine is dead", self._dead)
-
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued messages; when idle, wait for one. False = shut down."""
-        try:
-            msg = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if msg is None or isinstance(msg, Shutdown):
-                return False
-            self._apply(msg)
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _apply(self, msg: AddRequest | AbortRequest | _Compiled) -> None:
+    def apply(self, msg: AddRequest | AbortRequest | _Compiled) -> None:
         if isinstance(msg, AbortRequest):
             self.engine.abort_request(msg.request_id)
         elif isinstance(msg, _Compiled):

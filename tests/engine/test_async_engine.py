@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import engine.async_engine as async_engine_mod
+from engine import step_loop
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -199,7 +200,7 @@ def test_repeated_failures_mark_engine_dead(llama_runner: ModelRunner) -> None:
         eng.engine.runner = FaultyRunner(llama_runner, fail=100)  # type: ignore[assignment]
         await eng.start()
         try:
-            for i in range(async_engine_mod.MAX_CONSECUTIVE_FAILURES):
+            for i in range(step_loop.MAX_CONSECUTIVE_FAILURES):
                 final = (await collect(eng.submit(f"x{i}", [3, 4, 5], GREEDY)))[-1]
                 assert final.error_code == ErrorCode.STEP_FAILED
             assert not eng.is_ready()

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-import engine.async_engine as async_engine_mod
+from engine import step_loop
 from engine.model_runner import ModelRunner
 from tests.support.livetools import live_server
 
@@ -85,7 +85,7 @@ def test_engine_that_keeps_failing_turns_health_503_and_says_why(
         llama_runner: ModelRunner, caplog: pytest.LogCaptureFixture) -> None:
     with live_server(llama_runner) as s, httpx.Client(timeout=30) as client:
         s.runner.fail = 100
-        for _ in range(async_engine_mod.MAX_CONSECUTIVE_FAILURES):
+        for _ in range(step_loop.MAX_CONSECUTIVE_FAILURES):
             assert client.post(s.url + "/v1/completions", json=LONG).status_code == 500
         r = client.get(s.url + "/health")
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_not_ready"
