@@ -33,6 +33,7 @@ from engine.protocol import (
     ready_unless_ended,
 )
 from engine.step_loop import StepLoop
+from engine.stream_table import StreamTable
 from engine.structured import GrammarFuture, param_error, settled_on
 from scheduler.sampling_params import SamplingParams
 
@@ -71,8 +72,7 @@ class AsyncEngine(ClientSide):
         self.engine = engine if engine is not None else LLMEngine(config)
         self._inbox: queue.Queue[_Add | _Abort | _Wake | None] = queue.Queue()
         # Event-loop thread only: open streams, and submits waiting for their admission.
-        self._streams: dict[str, RequestStream] = {}
-        self._pending: dict[str, asyncio.Future[None]] = {}
+        self._table = StreamTable(self._close_stream)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._looping = threading.Event()  # run_step_loop() was called
         self._loaded = threading.Event()  # the model is loaded (or failed to)
@@ -129,7 +129,7 @@ class AsyncEngine(ClientSide):
             self.request_stop()
             await asyncio.to_thread(self._stopped.wait, STOP_WAIT_S)
         self._loaded.set()  # a start() still waiting for a load that never came
-        self._fail_all(EngineDeadError("server shutting down"))
+        self._table.fail_all(EngineDeadError("server shutting down"))
         self._stopped.set()  # also when the loop never ran: no more tokenizer work either
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
         self._bulk_pool.shutdown(wait=False, cancel_futures=True)
@@ -139,14 +139,13 @@ class AsyncEngine(ClientSide):
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                      priority: int = 0, deadline: float | None = None) -> RequestStream:
         self._check_alive()
-        if request_id in self._streams or request_id in self._pending:
-            raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None  # set by start(), which _check_alive saw finish
-        grammar = self._start_compile(params)
-        stream = RequestStream(request_id, self._close_stream)
-        admitted: asyncio.Future[None] = self._loop.create_future()
-        self._streams[request_id] = stream
-        self._pending[request_id] = admitted
+        stream, admitted = self._table.open(self._loop, request_id)
+        try:
+            grammar = self._start_compile(params)
+        except BaseException:
+            self._table.forget(request_id)
+            raise
         self._inbox.put(_Add(request_id, prompt, params, priority, self._clock(), deadline))
         try:
             await admitted
@@ -154,7 +153,7 @@ class AsyncEngine(ClientSide):
             self._close_stream(request_id)
             raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._table.forget(request_id)
             raise
         if grammar is not None:
             await self._await_grammar(request_id, params, grammar, stream)
@@ -193,8 +192,7 @@ class AsyncEngine(ClientSide):
 
     def _close_stream(self, request_id: str) -> None:
         """A stream closed before its end (or a cancelled submit): abort the request."""
-        self._streams.pop(request_id, None)
-        self._pending.pop(request_id, None)
+        self._table.forget(request_id)
         self._inbox.put(_Abort(request_id))
 
     # ---- the engine thread ----------------------------------------------------------------
@@ -213,7 +211,7 @@ class AsyncEngine(ClientSide):
                 for request_id in list(self.engine.requests):  # free everything
                     self.engine.abort_request(request_id)
             finally:  # even if the engine's state is too broken to abort: nobody may hang
-                self._on_loop(self._fail_all, EngineDeadError(reason))
+                self._on_loop(self._table.fail_all, EngineDeadError(reason))
 
     def _apply(self, cmd: _Add | _Abort | _Wake) -> None:
         """One inbox message, on the engine thread."""
@@ -226,9 +224,9 @@ class AsyncEngine(ClientSide):
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
                                     cmd.arrival_time, cmd.deadline)
         except Exception as e:  # noqa: BLE001 - PromptTooLongError, QueueFullError... -> submit()
-            self._on_loop(self._admit, cmd.request_id, e)
+            self._on_loop(self._table.admit, cmd.request_id, e)
         else:
-            self._on_loop(self._admit, cmd.request_id, None)
+            self._on_loop(self._table.admit, cmd.request_id, None)
 
     def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
         """Run fn(*args) on the event loop's thread, which owns the stream tables."""
@@ -237,34 +235,6 @@ class AsyncEngine(ClientSide):
                 self._loop.call_soon_threadsafe(fn, *args)
 
     # ---- event-loop side of the engine thread's messages ----------------------------------
-
-    def _admit(self, request_id: str, error: BaseException | None) -> None:
-        admitted = self._pending.pop(request_id, None)
-        if admitted is None or admitted.done():  # the submit was cancelled meanwhile
-            return
-        if error is None:
-            admitted.set_result(None)
-        else:
-            admitted.set_exception(error)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for o in outputs:
-            stream = self._streams.get(o.request_id)
-            if stream is None:
-                continue  # closed by its consumer; the engine has been told to abort it
-            stream.put(o)
-            if o.finished:
-                del self._streams[o.request_id]
-
-    def _fail_all(self, error: BaseException) -> None:
-        for admitted in self._pending.values():
-            if not admitted.done():
-                admitted.set_exception(error)
-        for stream in self._streams.values():
-            stream.put(error)
-        self._pending.clear()
-        self._streams.clear()
-
 
 class _EngineThread(StepLoop):
     """AsyncEngine's step loop: its inbox, its stats, its stuck-step clock; deltas go back to
@@ -293,4 +263,4 @@ class _EngineThread(StepLoop):
         if self.dead is not None and owner._dead is None:
             owner._dead = self.dead
         if outputs:
-            owner._on_loop(owner._dispatch, outputs)
+            owner._on_loop(owner._table.deliver, outputs)

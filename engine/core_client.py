@@ -49,6 +49,7 @@ from engine.protocol import (
     RequestStream,
     ready_unless_ended,
 )
+from engine.stream_table import StreamTable
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.engine")
@@ -68,8 +69,7 @@ class EngineCoreClient(ClientSide):
     def __init__(self, config: EngineConfig, *, clock: Callable[[], float] = time.monotonic,
                  stuck_after_s: float = STUCK_AFTER_S) -> None:
         super().__init__(config, clock, stuck_after_s)
-        self._streams: dict[str, RequestStream] = {}  # event-loop thread only, as _pending
-        self._pending: dict[str, asyncio.Future[None]] = {}
+        self._table = StreamTable(self._close_stream)  # event-loop thread only
         self._grammars: dict[str, asyncio.Future[None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: BaseProcess | None = None
@@ -150,13 +150,8 @@ class EngineCoreClient(ClientSide):
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                      priority: int = 0, deadline: float | None = None) -> RequestStream:
         self._check_alive()
-        if request_id in self._streams or request_id in self._pending:
-            raise ValueError(f"request id {request_id!r} is already in use")
         assert self._loop is not None
-        stream = RequestStream(request_id, self._close_stream)
-        admitted: asyncio.Future[None] = self._loop.create_future()
-        self._streams[request_id] = stream
-        self._pending[request_id] = admitted
+        stream, admitted = self._table.open(self._loop, request_id)
         if params.structured_outputs is not None:
             self._grammars[request_id] = self._loop.create_future()
         self._send(AddRequest(request_id, list(prompt), params, priority, self._clock(),
@@ -177,8 +172,7 @@ class EngineCoreClient(ClientSide):
 
     def _close_stream(self, request_id: str) -> None:
         """A stream closed before its end (or a cancelled or refused submit): abort it."""
-        self._streams.pop(request_id, None)
-        self._pending.pop(request_id, None)
+        self._table.forget(request_id)
         if not self._stopped.is_set():
             self._send(AbortRequest(request_id))
 
@@ -221,7 +215,8 @@ class EngineCoreClient(ClientSide):
         if isinstance(msg, StepDone):
             self._on_step(msg)
         elif isinstance(msg, Admitted):
-            self._settle(self._pending.pop(msg.request_id, None), msg)
+            self._table.admit(msg.request_id, None if msg.refusal is None
+                              else refusal_error(msg.refusal))
         elif isinstance(msg, GrammarDone):
             self._settle(self._grammars.get(msg.request_id), msg)
         elif isinstance(msg, Busy):
@@ -252,13 +247,7 @@ class EngineCoreClient(ClientSide):
         self._stuck_logged = False
         if msg.dead and not self._dead:
             self._dead = msg.dead
-        for o in msg.outputs:
-            stream = self._streams.get(o.request_id)
-            if stream is None:
-                continue  # closed by its consumer; the core has been told to abort it
-            stream.put(o)
-            if o.finished:
-                del self._streams[o.request_id]
+        self._table.deliver(msg.outputs)
 
     def _core_gone(self, exit_code: int | None) -> None:
         self._stopped.set()
@@ -270,10 +259,7 @@ class EngineCoreClient(ClientSide):
         self._fail_all(EngineDeadError(self._dead))
 
     def _fail_all(self, error: BaseException) -> None:
-        for waiter in (*self._pending.values(), *self._grammars.values()):
+        for waiter in self._grammars.values():
             if not waiter.done():
                 waiter.set_exception(error)
-        for stream in self._streams.values():
-            stream.put(error)
-        self._pending.clear()
-        self._streams.clear()
+        self._table.fail_all(error)

@@ -123,7 +123,7 @@ def test_disconnect_storm(llama_runner: ModelRunner) -> None:
                 check_stream_ok(resp, n)
         live.wait_idle(timeout=5)
         # no stream or pending admission left on the event loop side
-        assert not live.engine._streams and not live.engine._pending
+        assert not live.engine._table
         text_body(live)
 
 
@@ -333,7 +333,7 @@ def test_soak_memory_stays_flat(llama_runner: ModelRunner) -> None:
         live.wait_idle()
         rss_end, grown = _rss_bytes(), _live_objects()
         grown.subtract(objects_warm)
-        assert not live.engine._streams and not live.engine._pending
+        assert not live.engine._table
     print(f"\nsoak: {SOAK_REQUESTS - WARM_UP} requests in {elapsed:.1f} s; RSS after warm-up "
           f"{rss_warm / 2**20:.1f} MiB, at the end {rss_end / 2**20:.1f} MiB")
     assert rss_end <= rss_warm * RSS_GROWTH_BOUND, (rss_warm, rss_end)
