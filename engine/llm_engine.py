@@ -40,10 +40,11 @@ from engine.runner_output import RequestFault, RunnerOutput
 from engine.step_stats import IterationTokens, engine_stats
 from engine.structured import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from scheduler import stop_policy
 from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.sequence import Sequence
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -221,9 +222,8 @@ class LLMEngine:
         self.num_steps += 1
         self._iterations.count(batch.total_num_scheduled_tokens)
         ended, rejected = self.grammars.advance(updated)
-        # A grammar that has ended finishes its sequence, whatever min_tokens or ignore_eos say.
-        for seq in ended:
-            self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, seq.last_token_id)
+        for seq in ended:  # its grammar has ended: nothing more may follow
+            self.scheduler.finish(seq.seq_id, stop_policy.GRAMMAR_END, seq.last_token_id)
         for seq in rejected:
             outputs.append(self._end(self.requests[seq.seq_id], error_code=ErrorCode.STEP_FAILED,
                                      error="the grammar refused a token its mask allowed"))
@@ -292,8 +292,7 @@ class LLMEngine:
         if req is None:
             return None
         new_ids = seq.token_ids[seq.num_prompt_tokens + req.num_sent_tokens:]
-        # Stop strings count only from min_tokens on (vLLM), like EOS and stop token ids.
-        check_stops = seq.num_output_tokens >= seq.params.min_tokens
+        check_stops = stop_policy.may_stop(seq)  # stop strings too wait for min_tokens
         text, stop_str = req.detok.step(text_ids(seq, new_ids), check_stops)
         if stop_str is not None:
             self.scheduler.stop_on_string(seq, stop_str)

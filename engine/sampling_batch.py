@@ -21,6 +21,7 @@ from itertools import chain
 import torch
 
 from engine.step_tensors import to_device
+from scheduler import stop_policy
 from scheduler.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -182,7 +183,7 @@ class SamplingBatchBuilder:
                              if t < self.vocab_size)
             # A grammar decides where EOS may go (banning it could leave no token at all);
             # the engine finishes the sequence when the grammar ends.
-            if seq.num_output_tokens < params.min_tokens and seq.seq_id not in constrained:
+            if not stop_policy.may_stop(seq) and seq.seq_id not in constrained:
                 plan.banned.extend((row, t) for t in self._stop_ids(seq))
             if params.needs_penalties:
                 plan.penalised.append(row)
@@ -205,9 +206,9 @@ class SamplingBatchBuilder:
                              else seeded_uniform(seed, seq.num_output_tokens))
 
     def _stop_ids(self, seq: Sequence) -> set[int]:
-        """Tokens min_tokens forbids: stop_token_ids, and EOS unless EOS is ignored."""
-        ids = {t for t in seq.params.stop_token_ids if t < self.vocab_size}
-        return ids if seq.params.ignore_eos else ids.union(self.eos_token_ids)
+        """Tokens min_tokens forbids (stop_policy.stop_tokens), those in the vocabulary."""
+        return {t for t in stop_policy.stop_tokens(seq.params, self.eos_token_ids)
+                if t < self.vocab_size}
 
     def _to_batch(self, plan: _Plan, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
         f32, long = torch.float32, torch.long

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 
+from scheduler import stop_policy
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
@@ -294,14 +295,10 @@ class Scheduler:
             self._finish_running(seq, SequenceStatus.FINISHED_LENGTH, None)
             return
         seq.append_token(token_id)
-        if seq.num_output_tokens >= params.min_tokens and (
-            (token_id in self.limits.eos_token_ids and not params.ignore_eos)
-            or token_id in params.stop_token_ids
-        ):
-            self._finish_running(seq, SequenceStatus.FINISHED_STOPPED, token_id)
-        elif (seq.num_output_tokens >= params.max_tokens
-              or seq.num_tokens >= self.limits.max_model_len):
-            self._finish_running(seq, SequenceStatus.FINISHED_LENGTH, None)
+        finish = stop_policy.after_token(seq, token_id, self.limits.eos_token_ids,
+                                         self.limits.max_model_len)
+        if finish is not None:
+            self._finish_running(seq, *finish)
 
     def _finish_running(
         self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None
