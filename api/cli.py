@@ -32,8 +32,8 @@ from engine.config import EngineConfig, read_config_file
 from scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
-    from engine.core_client import EngineCoreClient
+    from engine.client.async_engine import AsyncEngine
+    from engine.client.core_client import EngineCoreClient
 
 logger = logging.getLogger("pagedserve")
 
@@ -233,9 +233,9 @@ def serving_threads() -> int:
 def serve(args: argparse.Namespace) -> None:
     from api.app import create_app
     from api.state import AppState
-    from engine.async_engine import AsyncEngine  # torch loads here, not at import
+    from engine.client.async_engine import AsyncEngine  # torch loads here, not at import
+    from engine.client.core_client import EngineCoreClient
     from engine.config import load_config, missing_default_model
-    from engine.core_client import EngineCoreClient
 
     config = load_config(args.config, **config_overrides(args))
     if (missing := missing_default_model(config)) is not None:

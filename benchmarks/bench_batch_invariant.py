@@ -17,7 +17,7 @@ import statistics
 import time
 
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams

@@ -21,7 +21,7 @@ import time
 
 from benchmarks.bench_batch_invariant import step
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence

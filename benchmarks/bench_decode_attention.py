@@ -1,8 +1,8 @@
-"""Decode attention alone: the CPU kernel (engine/csrc/paged_decode.cpp) against the torch path
-(gather + two bmm, engine/attention.py), on one layer of a paged pool, model shapes.
+"""Decode attention alone: the CPU kernel (engine/attention/csrc/paged_decode.cpp) against the torch path
+(gather + two bmm, engine/attention/paged.py), on one layer of a paged pool, model shapes.
 
 For each dtype, number of decodes D and context length, both paths attend the same D queries
-over the same pool through `engine.attention.attend` (metadata built as the runner builds it,
+over the same pool through `engine.attention.paged.attend` (metadata built as the runner builds it,
 block tables shuffled over the pool as a long-running server's are), alternating in a shuffled
 order; the median of `--repeats` calls is kept, and the ratio torch / kernel is reported.
 A 30-layer model pays this 30 times a step.
@@ -38,7 +38,7 @@ def make_case(decodes: int, context: int, heads: int, kv_heads: int, head_dim: i
               block_size: int, dtype: torch.dtype, paged_kernel: bool,
               seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
     """q [H, D, hd], the new k/v [kvH, D, hd] and the metadata of D decodes at `context`."""
-    from engine.attention import build_metadata
+    from engine.attention.paged import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
     per_seq = -(-context // block_size)
@@ -58,7 +58,7 @@ def make_case(decodes: int, context: int, heads: int, kv_heads: int, head_dim: i
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
-    from engine.attention import attend
+    from engine.attention.paged import attend
 
     rng = random.Random(args.seed)
     rows = []
@@ -111,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     from api.cli import serving_threads
-    from engine import cpu_kernels
+    from engine.attention import cpu_kernels
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads or serving_threads())

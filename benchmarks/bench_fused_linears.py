@@ -1,4 +1,4 @@
-"""Sibling projections apart against fused (engine/fused_linears.py), per layer, per row count.
+"""Sibling projections apart against fused (engine/layers/fused_linears.py), per layer, per row count.
 
 For the shapes of one decoder layer (SmolLM2-135M's by default), the q/k/v projections and the
 gate/up projections are timed as the separate modules the model had and as the one
@@ -45,10 +45,10 @@ def groups(args: argparse.Namespace) -> dict[str, list[int]]:
 
 def build(kind: str, k: int, sizes: list[int]) -> tuple[list[nn.Module], nn.Module]:
     """The parts and their fusion, as the loader makes them (random weights: timing only)."""
-    from engine.fused_linears import concat_linears
-    from engine.packed_linear import PackedLinear
-    from engine.quant_linear import Int4Linear
-    from engine.quant_pack import quantize_int4
+    from engine.layers.fused_linears import concat_linears
+    from engine.layers.packed_linear import PackedLinear
+    from engine.layers.quantization.linear import Int4Linear
+    from engine.layers.quantization.pack import quantize_int4
 
     torch.manual_seed(0)
     weights = [torch.randn(n, k) * 0.02 for n in sizes]

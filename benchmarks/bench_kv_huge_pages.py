@@ -1,7 +1,7 @@
 """The CPU KV pool on huge pages against plain pages: the decode kernel over every layer.
 
 Two pools of the engine's shape ([layers, K/V, blocks, kvH, block_size, hd], SmolLM2-135M's
-by default) live in one process: one from `engine.huge_pages.zeros` (what the runner uses),
+by default) live in one process: one from `engine.worker.huge_pages.zeros` (what the runner uses),
 one from `torch.zeros`. Block tables are shuffled over the pool, as a long-running server's
 are once blocks have been freed and reused. A step is the C++ decode kernel over every layer
 for `--decodes` sequences; the two pools alternate in a shuffled order (a shared machine's
@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from benchmarks.common import RESULTS_DIR, machine_info, machine_slug
-from engine import cpu_kernels, huge_pages
+from engine.attention import cpu_kernels
+from engine.worker import huge_pages
 
 
 def tables_for(contexts: list[int], block_size: int, num_blocks: int,

@@ -3,11 +3,11 @@ quantized kernel against the dense weight, on the loaded model.
 
 A step of N token rows calls every linear of the model once with N rows (the lm_head only
 with the rows that need logits; a decode step needs all of them). For each quantized module
-of `--quantization` (engine/quant.py) and each N, this times the module's int4/int8 kernel
+of `--quantization` (engine/layers/quantization/quant.py) and each N, this times the module's int4/int8 kernel
 (`_kernel`, activations cast to the kernel dtype and back, as forward does) and its dense
-copy (its `dense` module: oneDNN-packed in bf16, engine/packed_linear.py), alternating the two in a shuffled order so a shared machine's drift hits
+copy (its `dense` module: oneDNN-packed in bf16, engine/layers/packed_linear.py), alternating the two in a shuffled order so a shared machine's drift hits
 both alike, and keeps the median. Summed over the modules, that is the part of a step the
-DENSE_ABOVE_ROWS choice (engine/quant.py) decides; the crossover is the smallest N from
+DENSE_ABOVE_ROWS choice (engine/layers/quantization/quant.py) decides; the crossover is the smallest N from
 which dense is faster.
 
     .venv/bin/python -m benchmarks.bench_quant_rows                    # auto (GGUF Q4_1), fp32
@@ -41,7 +41,7 @@ ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
 def quant_modules(model: Any) -> list[tuple[str, Any]]:
-    from engine.quant_linear import _QuantLinear
+    from engine.layers.quantization.linear import _QuantLinear
 
     mods = [(n, m) for n, m in model.named_modules() if isinstance(m, _QuantLinear)]
     missing = [n for n, m in mods if m.dense is None]
@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     from api.cli import serving_threads
-    from engine.loader import load_model
+    from engine.worker.loader import load_model
 
     args = parse_args(argv)
     threads = args.threads or serving_threads()

@@ -204,7 +204,7 @@ class FakeRunner:
         self.last_ns = 0
 
     def execute(self, batch: SchedulerOutput, masks: Any = None) -> Any:
-        from engine.runner_output import RunnerOutput
+        from engine.worker.runner_output import RunnerOutput
 
         t0 = time.perf_counter_ns()
         out = RunnerOutput(sampled_token_ids=fake_sample(batch, self.num_steps, self.tokens))
@@ -223,7 +223,7 @@ def ordinary_ids(hf_tokenizer: Any, count: int = len(FAKE_TOKENS)) -> list[int]:
 def embedded_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from engine.loader import converted_gguf, resolve_source
+    from engine.worker.loader import converted_gguf, resolve_source
 
     source, _ = resolve_source(None)
     return AutoTokenizer.from_pretrained(converted_gguf(source) if source.is_file() else source)
@@ -233,7 +233,7 @@ def bench_engine(num_running: int, steps: int, warmup: int, hf_tokenizer: Any,
                  mixed: bool = False, seed: int = 0) -> dict[str, Any]:
     """LLMEngine.step() with FakeRunner: the step's cost apart from the model."""
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     wl = Workload(num_running, mixed, warmup + steps)
     runner = FakeRunner(hf_tokenizer, wl.num_blocks, wl.max_len)
@@ -297,7 +297,7 @@ class PrefillSkippingRunner:
         return getattr(self.inner, name)
 
     def execute(self, batch: SchedulerOutput, masks: Any = None) -> Any:
-        from engine.runner_output import RunnerOutput
+        from engine.worker.runner_output import RunnerOutput
 
         self.num_steps += 1
         if any(n != 1 for n in batch.num_scheduled_tokens):
@@ -315,8 +315,8 @@ def bench_model(running: Seq[int], steps: int, warmup: int, dtype: str, device: 
     """Decode step of the real model at each N: the first N of one list of prompts, all
     prefilled (faked) in the first step, then warmup + steps decode steps."""
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.model_runner import ModelRunner
+    from engine.core.llm_engine import LLMEngine
+    from engine.worker.model_runner import ModelRunner
 
     rng = random.Random(seed)
     lens = [rng.randint(*prompt_len) for _ in range(max(running))]

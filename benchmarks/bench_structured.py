@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import machine_info, median, model_folder, save_result
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -30,7 +30,7 @@ import torch
 from benchmarks.common import machine_info, median, random_workload, save_result
 from benchmarks.hf_baseline import run_one_at_a_time, run_static_batches
 from engine.llm import LLM
-from engine.loader import load_model
+from engine.worker.loader import load_model
 from scheduler.sampling_params import SamplingParams
 
 
@@ -86,7 +86,7 @@ def run_hf(args: argparse.Namespace, dtype: str, prompts: list[list[int]],
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
-    from engine.loader import load_model as _lm  # vocab and special ids for the workload
+    from engine.worker.loader import load_model as _lm  # vocab and special ids for the workload
 
     probe = _lm(args.model, device="cpu", dtype="float32")
     vocab = probe.facts.vocab_size

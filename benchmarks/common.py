@@ -113,7 +113,7 @@ def random_token_ids(rng: random.Random, length: int, vocab_size: int,
 def model_folder() -> Path:
     """The converted safetensors folder of the embedded model (made on first use): what
     the baselines load and where the benchmarks take the tokenizer from."""
-    from engine.loader import converted_gguf, resolve_source
+    from engine.worker.loader import converted_gguf, resolve_source
 
     src, _ = resolve_source(None)
     return converted_gguf(src) if src.suffix == ".gguf" else src

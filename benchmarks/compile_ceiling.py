@@ -102,7 +102,7 @@ def workload_ratios(eager: dict[str, float], compiled: dict[str, Split],
 
 def load_runner(args: argparse.Namespace, eager: bool) -> Any:
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.worker.model_runner import ModelRunner
     from scheduler.config import SchedulerConfig
 
     prefill_tokens = args.prefill_prompts * args.prompt_tokens

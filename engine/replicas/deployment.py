@@ -35,7 +35,7 @@ from engine.replicas.messages import (
 )
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncEngine
+    from engine.client.async_engine import AsyncEngine
 
 logger = logging.getLogger("pagedserve.replica")
 
@@ -48,7 +48,7 @@ class EngineReplica:
     counts the replica as running only when it can serve."""
 
     async def __init__(self, config: EngineConfig, board: Any) -> None:  # type: ignore[misc]
-        from engine.async_engine import AsyncEngine  # torch loads here, in the replica only
+        from engine.client.async_engine import AsyncEngine  # torch loads here, in the replica only
 
         keep_replica_on_loopback()
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from tests.support.livetools import Live, live_server
 from tests.support.models import loaded_runner

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.bench_fused_linears import build, main
-from engine.packed_linear import packing_applies
+from engine.layers.packed_linear import packing_applies
 
 
 @pytest.mark.skipif(not packing_applies(torch.device("cpu"), torch.bfloat16, False),

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from benchmarks.bench_kv_huge_pages import measure, parse_args, tables_for
-from engine import cpu_kernels
+from engine.attention import cpu_kernels
 
 
 def test_tables_give_every_sequence_its_own_blocks() -> None:

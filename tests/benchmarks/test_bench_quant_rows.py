@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from benchmarks.bench_quant_rows import crossover, measure
-from engine.quant_linear import Int8Linear
-from engine.quant_pack import quantize_int8
+from engine.layers.quantization.linear import Int8Linear
+from engine.layers.quantization.pack import quantize_int8
 
 
 def test_crossover_is_the_first_row_count_from_which_dense_always_wins() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
 from engine.tokenizer import Tokenizer
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from tests.support.models import build_checkpoint, loaded_runner, tiny_config
 

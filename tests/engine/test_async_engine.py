@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-import engine.async_engine as async_engine_mod
-from engine import step_loop
-from engine.async_engine import AsyncEngine
+import engine.client.async_engine as async_engine_mod
+from engine.client.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core import step_loop
+from engine.core.llm_engine import LLMEngine
 from engine.outputs import ErrorCode, RequestOutput
 from engine.protocol import EngineDeadError, PromptTooLongError, QueueFullError, RequestStream
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from tests.support.faults import FaultyRunner
@@ -381,7 +381,7 @@ def test_long_texts_do_not_queue_ahead_of_short_ones(llama_runner: ModelRunner) 
     """Issue 31: one tokenizer thread served everyone, so a few megabyte texts (/tokenize,
     truncate_prompt_tokens) made every new request wait seconds. Long texts have a lane of
     their own: a short text sent behind two long ones is tokenized first."""
-    from engine.client_side import BULK_TEXT_CHARS
+    from engine.client.client_side import BULK_TEXT_CHARS
 
     long_text = "tokenize me " * (2 * 1024 * 1024 // 12)
     assert len(long_text) > BULK_TEXT_CHARS

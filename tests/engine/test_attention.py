@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import (
+from engine.attention.paged import (
     AttentionMetadata,
     build_metadata,
     paged_attention,
@@ -33,7 +33,7 @@ def run_case(specs: list[tuple[int, int]], seed: int, budget: int | None = None,
              kernel: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
     """specs: (already computed c, scheduled n) per sequence; n == 1 sequences are decodes.
     budget: the decode gather budget in bytes (None: the CPU default); kernel: decodes through
-    the C++ kernel (engine/cpu_kernels.py). Returns the output."""
+    the C++ kernel (engine/attention/cpu_kernels.py). Returns the output."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     pool = torch.zeros(LAYERS, 2, NUM_BLOCKS, KV_HEADS, BLOCK, HEAD_DIM)
@@ -92,7 +92,7 @@ def run_case(specs: list[tuple[int, int]], seed: int, budget: int | None = None,
 
 def _kernel_or_skip(kernel: bool) -> bool:
     if kernel:
-        from engine import cpu_kernels
+        from engine.attention import cpu_kernels
 
         if not cpu_kernels.paged_decode_available():
             pytest.skip("the CPU paged-decode kernel did not build here (no g++?)")

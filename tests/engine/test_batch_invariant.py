@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import batch_invariant
-from engine.model_runner import ModelRunner
+from engine.layers import batch_invariant
+from engine.worker.model_runner import ModelRunner
 from scheduler.sequence import Sequence
 from tests.support.models import drive, greedy_seq, loaded_runner, tiny_config
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from tests.support.livetools import Live, live_server
 
 SEEDED = {"prompt": "Once upon a time, in a land far away, there lived", "max_tokens": 16, "temperature": 1.0, "seed": 4321,

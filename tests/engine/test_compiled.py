@@ -1,4 +1,4 @@
-"""The compiled step (engine/compile.py) against the eager one on the tiny models.
+"""The compiled step (engine/worker/compile.py) against the eager one on the tiny models.
 
 Each tiny model is compiled once (module-scoped runners below): the Llama with bucketed
 token counts (max_num_batched_tokens 8: buckets 1, 2, 4, 8), the Qwen2 with the token count
@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutput
 
-from engine.compile import bucket_for, inductor_options, token_buckets
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.worker.compile import bucket_for, inductor_options, token_buckets
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
 from tests.engine.test_golden import TEXTS, make_engine, run
@@ -116,8 +116,8 @@ def test_padding_rows_write_no_kv(compiled_llama: ModelRunner) -> None:
 
 def test_no_graph_breaks(compiled_llama: ModelRunner) -> None:
     """The whole decoder is one graph: attention is the opaque op, not a break per layer."""
-    from engine.attention import build_metadata
-    from engine.compile_op import forward_context
+    from engine.attention.compile_op import forward_context
+    from engine.attention.paged import build_metadata
 
     compiled = compiled_llama.compiled
     assert compiled is not None
@@ -187,8 +187,8 @@ def test_guard_filter_keeps_the_shape_choice_and_each_model_its_own_graphs(
     graph (two buckets), and two compiled models never run each other's graph, which dynamo's
     cache per code object would do without a code object per CompiledForward (and, after a
     graph break, in the model's own forward, if that frame's guards were dropped too)."""
-    from engine.attention import build_metadata
-    from engine.compile import CompiledForward, keep_input_guards
+    from engine.attention.paged import build_metadata
+    from engine.worker.compile import CompiledForward, keep_input_guards
 
     monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")  # the Python wrapper: a faster compile
     kept: list[tuple[int, int]] = []
@@ -198,7 +198,7 @@ def test_guard_filter_keeps_the_shape_choice_and_each_model_its_own_graphs(
         kept.append((sum(flags), len(flags)))
         return flags
 
-    monkeypatch.setattr("engine.compile.keep_input_guards", recording)
+    monkeypatch.setattr("engine.worker.compile.keep_input_guards", recording)
     models = [Toy(2.0, breaks), Toy(3.0, breaks)]
     compiled = [CompiledForward(m, 2) for m in models]  # buckets 1 and 2
     for size in (1, 2, 1):

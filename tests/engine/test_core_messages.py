@@ -1,4 +1,4 @@
-"""The engine core's wire format (engine/core_messages.py): every payload the thread path
+"""The engine core's wire format (engine/core/messages.py): every payload the thread path
 passes as an object survives msgspec's MessagePack unchanged, and every refusal comes back as
 the exception type submit() raises on the thread path."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core_messages import (
+from engine.core.messages import (
     AddRequest,
     Admitted,
     Ready,

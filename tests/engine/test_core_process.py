@@ -28,8 +28,8 @@ from api.app import create_app
 from api.cli import run_serving
 from api.server import GracefulServer
 from api.state import AppState
+from engine.client.core_client import EngineCoreClient
 from engine.config import EngineConfig
-from engine.core_client import EngineCoreClient
 from engine.protocol import EngineDeadError, InvalidParamError, RequestStream
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams

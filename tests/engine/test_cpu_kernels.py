@@ -1,4 +1,4 @@
-"""The C++ paged-decode kernel (engine/csrc/paged_decode.cpp) against the torch path, at the
+"""The C++ paged-decode kernel (engine/attention/csrc/paged_decode.cpp) against the torch path, at the
 real model's head shapes, and the loader's fallbacks. tests/engine/test_attention.py runs both
 paths against dense SDPA (fp32, 1e-5); the golden tests run it inside the model."""
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from api.cli import build_parser, config_overrides
-from engine import cpu_kernels
-from engine.attention import AttentionMetadata, attend, attend_step, build_metadata
+from engine.attention import cpu_kernels
+from engine.attention.paged import AttentionMetadata, attend, attend_step, build_metadata
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M
 
@@ -270,7 +270,7 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     cpu_kernels._load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="engine.attention.cpu_kernels"):
             assert not cpu_kernels.paged_decode_available()
             assert not cpu_kernels.wants_paged_decode("auto", torch.device("cpu"), torch.float32)
         assert len(caplog.records) == 1, caplog.records  # cached: asked twice, warned once
@@ -283,7 +283,7 @@ def test_loading_the_kernel_keeps_subnormals() -> None:
     """A library linked with -ffast-math turns on flush-to-zero for the whole process when it
     loads; ours is compiled with it but linked without. Checked in a fresh process, after the
     load, in Python floats (SSE doubles) and in torch."""
-    script = ("import torch; from engine import cpu_kernels as c; assert c.paged_decode_available();"
+    script = ("import torch; from engine.attention import cpu_kernels as c; assert c.paged_decode_available();"
               "x = float.fromhex('0x1p-1070'); assert x * 1.0 > 0, 'DAZ/FTZ on';"
               "t = torch.tensor([1e-40]) * 2; assert t.item() > 0, 'torch flushes';print('ok')")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

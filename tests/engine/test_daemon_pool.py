@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from engine.daemon_pool import DaemonPool
+from engine.structured_output.daemon_pool import DaemonPool
 
 
 def test_results_errors_and_daemon_threads() -> None:

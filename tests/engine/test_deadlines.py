@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
 from engine.outputs import ErrorCode, RequestOutput
+from engine.worker.model_runner import ModelRunner
 from scheduler.sampling_params import SamplingParams
 from tests.engine.test_llm_engine import drain, make
 from tests.support.faults import FaultyRunner

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from api.errors import MAX_RETRY_S, MIN_RETRY_S, UNKNOWN_RETRY_S, retry_after_s
-from engine.drain import DrainRate
+from engine.core.drain import DrainRate
 from engine.protocol import EngineStats
 
 

@@ -13,11 +13,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.client.async_engine import AsyncEngine
+from engine.client.core_client import EngineCoreClient
 from engine.config import EngineConfig
-from engine.core_client import EngineCoreClient
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
 from engine.protocol import (
     ChatTemplateArgs,
     EngineClient,
@@ -27,6 +26,7 @@ from engine.protocol import (
     RequestOutput,
     RequestStream,
 )
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from tests.support.fake_engine import FakeEngine

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
 from engine.protocol import ITERATION_TOKEN_BUCKETS
+from engine.worker.model_runner import ModelRunner
 from scheduler.sampling_params import SamplingParams
 from tests.engine.test_llm_engine import drain, make
 from tests.support.faults import FaultyRunner

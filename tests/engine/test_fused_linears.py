@@ -1,4 +1,4 @@
-"""Sibling projections fused into one matmul (engine/fused_linears.py): every kind of linear
+"""Sibling projections fused into one matmul (engine/layers/fused_linears.py): every kind of linear
 concatenates to the same outputs, the parts hand out the right slices in any call order, the
 loader fuses bf16 and quantized models only, and the fused model compiles as one graph."""
 
@@ -10,16 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from engine.fused_linears import (
+from engine.layers.fused_linears import (
     FusedProjections,
     ProjectionSlice,
     concat_linears,
     fuse_projections,
     fusion_applies,
 )
-from engine.loader import load_model
-from engine.quant_linear import Int4Linear, Int8Linear
-from engine.quant_pack import quantize_int4, quantize_int8
+from engine.layers.quantization.linear import Int4Linear, Int8Linear
+from engine.layers.quantization.pack import quantize_int4, quantize_int8
+from engine.worker.loader import load_model
 
 SIZES = (128, 64, 64)  # q, k, v: multiples of the int4 kernel's 64-row blocks, as in real models
 
@@ -148,9 +148,9 @@ def test_loader_fuses_bf16_models_only(tiny_qwen2: Path) -> None:
 
 def test_fused_bf16_decoder_is_one_graph(tiny_llama: Path) -> None:
     """The memo is a value in the trace, not a graph break."""
-    from engine.attention import build_metadata
-    from engine.compile import CompiledForward
-    from engine.compile_op import forward_context
+    from engine.attention.compile_op import forward_context
+    from engine.attention.paged import build_metadata
+    from engine.worker.compile import CompiledForward
 
     model = load_model(str(tiny_llama), device="cpu", dtype="bfloat16").model
     assert isinstance(model.model.layers[0].self_attn.q_proj, ProjectionSlice)

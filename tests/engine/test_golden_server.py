@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.worker.loader import load_model
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from tests.engine.test_golden import MAX_NEW, SECOND_ROUND, SHARED_PREFIX, TEXTS, hf_greedy
 from tests.support.livetools import Live, live_server

@@ -13,9 +13,9 @@ import httpx
 import pytest
 import xgrammar as xgr
 
-from engine import grammar_worker
-from engine.grammar_worker import CompileLimitError, CompileWorker
-from engine.model_runner import ModelRunner
+from engine.structured_output import worker as grammar_worker
+from engine.structured_output.worker import CompileLimitError, CompileWorker
+from engine.worker.model_runner import ModelRunner
 from tests.support.livetools import Live, live_server
 
 # On the tiny test vocabulary: 1.4 s and ~600 MB (a 10k-value enum); past 5 minutes (5k

@@ -7,8 +7,8 @@ import gc
 import pytest
 import torch
 
-from engine import huge_pages
-from engine.huge_pages import HUGE_PAGE, huge_pages_apply, thp_mode, zeros
+from engine.worker import huge_pages
+from engine.worker.huge_pages import HUGE_PAGE, huge_pages_apply, thp_mode, zeros
 
 POOL = (4, 2, 64, 3, 16, 64)  # [layers, K/V, blocks, kvH, block_size, hd]: 3 MB in bf16
 

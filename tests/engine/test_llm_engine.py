@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.llm_engine import LLMEngine
 from engine.llm import Completion
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode, RequestOutput
 from engine.protocol import EngineLimits, InvalidParamError, PromptTooLongError
+from engine.worker.loader import load_model
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from tests.support.faults import FaultyRunner

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import loader
-from engine.cache_paths import cache_root, gguf_cache_dir
-from engine.loader import (
+from engine.worker import loader
+from engine.worker.cache_paths import cache_root, gguf_cache_dir
+from engine.worker.loader import (
     converted_gguf,
     embedded_gguf,
     load_model,

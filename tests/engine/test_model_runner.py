@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import model_runner
-from engine.model_runner import ModelRunner
+from engine.worker import model_runner
+from engine.worker.model_runner import ModelRunner
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence
 from tests.support.models import drive, greedy_seq, loaded_runner, tiny_config
@@ -127,7 +127,7 @@ def test_worst_decode_step_runs_grouped(llama_runner: ModelRunner,
     """The step CUDA profiling sizes the pool by: max_num_seqs decodes at max_model_len (8 x
     256 here) plus a prefill; on a one-block scratch pool and on the real one. A budget of one
     sequence's K/V forces a group per decode."""
-    from engine import attention
+    from engine.attention import paged as attention
 
     groups: list[int] = []
     build = attention.build_metadata
@@ -137,7 +137,7 @@ def test_worst_decode_step_runs_grouped(llama_runner: ModelRunner,
         groups.append(len(meta.decode_groups))
         return meta
 
-    monkeypatch.setattr("engine.model_runner.build_metadata", spy)
+    monkeypatch.setattr("engine.worker.model_runner.build_metadata", spy)
     monkeypatch.setattr(llama_runner, "paged_decode_kernel", False)  # the torch path groups
     one_seq = 2 * 2 * 256 * 16 * 4  # K + V, kvH, tokens, hd, fp32
     monkeypatch.setitem(attention.DECODE_GATHER_BYTES, "cpu", one_seq)
@@ -228,7 +228,7 @@ def hf_greedy(runner: ModelRunner, prompt: list[int], new: int) -> list[int]:
     memoised so the parametrised cases share it."""
     key = (*prompt, -new)
     if key not in _REF:
-        from engine.loader import converted_gguf, embedded_gguf
+        from engine.worker.loader import converted_gguf, embedded_gguf
 
         if "model" not in _MODEL:
             _MODEL["model"] = reference_model(converted_gguf(embedded_gguf()))

@@ -1,4 +1,4 @@
-"""oneDNN-packed bf16 linears (engine/packed_linear.py): same results as nn.Linear, eager and
+"""oneDNN-packed bf16 linears (engine/layers/packed_linear.py): same results as nn.Linear, eager and
 compiled, and every dense linear of a bf16 CPU model packed at load (quantized modules' dense
 copies and a tied LM head included), nothing packed in float32 or batch-invariant mode."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.packed_linear import PackedLinear, pack_linears, packing_applies
-from engine.quant_linear import Int8Linear
-from engine.quant_pack import quantize_int8
+from engine.layers.packed_linear import PackedLinear, pack_linears, packing_applies
+from engine.layers.quantization.linear import Int8Linear
+from engine.layers.quantization.pack import quantize_int8
+from engine.worker.loader import load_model
+from engine.worker.model_runner import ModelRunner
 from tests.engine.test_compiled import compiled_config, run_lockstep
 from tests.support.models import loaded_runner, tiny_config
 
@@ -78,7 +78,7 @@ def test_pack_linears_packs_dense_copies_and_a_tied_head(
     model = TiedModel()
     assert model.proj.dense is not None
     dense_ref = model.proj.dense(torch.ones(6, 64, dtype=torch.bfloat16))
-    with caplog.at_level(logging.INFO, logger="engine.packed_linear"):
+    with caplog.at_level(logging.INFO, logger="engine.layers.packed_linear"):
         assert pack_linears(model) == 2
     assert isinstance(model.proj.dense, PackedLinear) and isinstance(model.head, PackedLinear)
     assert "+0.0 MB" in caplog.text  # 10 x 64 x 2 bytes: the tied head's own copy, counted

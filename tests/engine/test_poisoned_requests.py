@@ -22,9 +22,9 @@ import httpx
 import pytest
 import torch
 
-import engine.model_runner
-from engine.model_runner import ModelRunner
-from engine.sampling_batch import SamplingBatch
+import engine.worker.model_runner
+from engine.sample.sampling_batch import SamplingBatch
+from engine.worker.model_runner import ModelRunner
 from tests.engine.test_sampler import EXTREMES, FLOAT_FIELDS
 from tests.support.livetools import Live, live_server
 
@@ -95,7 +95,7 @@ def test_the_issues_repro_is_served_and_health_stays_up(live: Live,
 def poisoned_sampler(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The runner's sampler, except for rows whose temperature is POISON: it raises, or it
     returns an id one past the vocabulary (what top_p 5e-324 did before the fix)."""
-    real = engine.model_runner.sample
+    real = engine.worker.model_runner.sample
 
     def poisoned(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list]:
         temps = [] if batch.temperature is None else batch.temperature.tolist()
@@ -108,7 +108,7 @@ def poisoned_sampler(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
             tokens[row] = batch.vocab_size
         return tokens, logprobs
 
-    monkeypatch.setattr(engine.model_runner, "sample", poisoned)
+    monkeypatch.setattr(engine.worker.model_runner, "sample", poisoned)
     return str(request.param)
 
 

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
-from engine.loader import load_model
-from engine.quant import quantize_model, resolve_mode
-from engine.quant_gguf import int4_from_q4, int8_from_q8_0
-from engine.quant_linear import Int4Linear, Int8Linear
-from engine.quant_pack import quantize_int4, quantize_int8
+from engine.layers.quantization.gguf import int4_from_q4, int8_from_q8_0
+from engine.layers.quantization.linear import Int4Linear, Int8Linear
+from engine.layers.quantization.pack import quantize_int4, quantize_int8
+from engine.layers.quantization.quant import quantize_model, resolve_mode
+from engine.worker.loader import load_model
 
 CPU = torch.device("cpu")
 
@@ -145,7 +145,7 @@ def test_auto_keeps_dense_arithmetic_outside_the_kernels_dtype(dtype: torch.dtyp
 
 def test_the_log_says_the_kernels_compute_in_bf16(tiny_llama: Path,
                                                  caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="engine.quant"):
+    with caplog.at_level("INFO", logger="engine.layers.quantization.quant"):
         load_model(str(tiny_llama), device="cpu", dtype="float32", quantization="int8")
     assert "kernels compute in bfloat16, not the model's float32" in caplog.text
 

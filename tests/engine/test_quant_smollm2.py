@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.layers.quantization.gguf import native_cache, read_native
+from engine.layers.quantization.linear import Int4Linear, Int8Linear
+from engine.layers.quantization.pack import Int4Weight, quantize_int4
+from engine.layers.quantization.quant import quantize_model
 from engine.llm import LLM
-from engine.loader import LoadedModel, converted_gguf, embedded_gguf, load_model
-from engine.quant import quantize_model
-from engine.quant_gguf import native_cache, read_native
-from engine.quant_linear import Int4Linear, Int8Linear
-from engine.quant_pack import Int4Weight, quantize_int4
+from engine.worker.loader import LoadedModel, converted_gguf, embedded_gguf, load_model
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from tests.support.perplexity import perplexity, text_ids
@@ -81,7 +81,7 @@ def quantized_ppl(dense: LoadedModel, ids: torch.Tensor, mode: str, gguf: bool,
                   group: int = 32) -> float:
     model = copy.deepcopy(dense.model)
     if not gguf and mode == "int4" and group != 32:
-        import engine.quant as q
+        import engine.layers.quantization.quant as q
 
         old, q.INT4_GROUP_SIZE = q.INT4_GROUP_SIZE, group
         try:

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine import step_loop
-from engine.model_runner import ModelRunner
+from engine.core import step_loop
+from engine.worker.model_runner import ModelRunner
 from tests.support.livetools import live_server
 
 REPO = Path(__file__).resolve().parents[2]

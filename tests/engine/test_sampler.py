@@ -9,8 +9,7 @@ from collections.abc import Callable, Collection
 import pytest
 import torch
 
-from engine.runner_output import TokenLogprobIds
-from engine.sampler import (
+from engine.sample.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -20,7 +19,13 @@ from engine.sampler import (
     sample_from_probs,
     token_logprobs,
 )
-from engine.sampling_batch import Penalties, SamplingBatchBuilder, build_penalties, seeded_uniform
+from engine.sample.sampling_batch import (
+    Penalties,
+    SamplingBatchBuilder,
+    build_penalties,
+    seeded_uniform,
+)
+from engine.worker.runner_output import TokenLogprobIds
 from scheduler.errors import InvalidParamError
 from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence

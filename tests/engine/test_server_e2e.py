@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from engine.async_engine import AsyncEngine
-from engine.model_runner import ModelRunner
+from engine.client.async_engine import AsyncEngine
+from engine.worker.model_runner import ModelRunner
 from tests.support.faults import FaultyRunner
 from tests.support.livetools import live_server
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from tests.support.livetools import Live, live_server
 
 PROMPT = [(7 * i) % 250 + 5 for i in range(30)]  # 30 token ids: 7 full blocks of 4

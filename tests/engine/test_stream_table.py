@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from engine.client.stream_table import StreamTable
 from engine.outputs import RequestOutput
 from engine.protocol import EngineDeadError
-from engine.stream_table import StreamTable
 
 
 def delta(rid: str, finished: bool = False) -> RequestOutput:

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from tests.api.schemafuzz import bodies, encoded, error_param_root, plausible, request_schema
 from tests.support.errors import check_error_body
 from tests.support.livetools import Live, RawResponse, live_server, raw_post, request_bytes

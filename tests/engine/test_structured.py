@@ -14,8 +14,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
+from engine.worker.model_runner import ModelRunner
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.support.structured import SCHEMAS, make_engine, run_all, single_token_ids
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from engine.grammar import CompiledGrammar
-from engine.model_runner import ModelRunner
 from engine.outputs import ErrorCode
 from engine.protocol import InvalidParamError
+from engine.structured_output.grammar import CompiledGrammar
+from engine.worker.model_runner import ModelRunner
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.test_async_engine import collect, make, run_async, tokens, wait_idle
 

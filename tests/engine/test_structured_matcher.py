@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine.grammar import GrammarBackend, Matcher
-from engine.sampler import unpack_bitmask
-from engine.structured import StructuredOutputs
+from engine.sample.sampler import unpack_bitmask
+from engine.structured_output.grammar import GrammarBackend, Matcher
+from engine.structured_output.manager import StructuredOutputs
 from scheduler.sampling_params import StructuredOutputsParams
 from tests.support.structured import SCHEMAS
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from tests.engine.test_structured_async import gated
 from tests.support.errors import assert_error
 from tests.support.livetools import Live, live_server

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from tests.engine.test_compiled import run_lockstep

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import attention
+from engine.attention import paged as attention
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
+from engine.worker.loader import load_model
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 

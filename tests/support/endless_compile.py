@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from api.cli import main
-from engine.grammar import CompiledGrammar, GrammarBackend
+from engine.structured_output.grammar import CompiledGrammar, GrammarBackend
 from scheduler.sampling_params import StructuredOutputsParams
 
 

@@ -10,9 +10,9 @@ import threading
 import time
 from typing import Any
 
-from engine.model_runner import ModelRunner
-from engine.runner_output import RunnerOutput
-from engine.sampling_batch import GrammarMasks
+from engine.sample.sampling_batch import GrammarMasks
+from engine.worker.model_runner import ModelRunner
+from engine.worker.runner_output import RunnerOutput
 from scheduler.output import SchedulerOutput
 
 

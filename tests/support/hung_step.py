@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from api.cli import main
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 
 MARK = 7777
 _execute = ModelRunner.execute

@@ -26,10 +26,10 @@ from api.app import create_app
 from api.cli import run_serving
 from api.server import GracefulServer
 from api.state import AppState
-from engine.async_engine import STUCK_AFTER_S, AsyncEngine
+from engine.client.async_engine import STUCK_AFTER_S, AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from tests.support.faults import FaultyRunner
 

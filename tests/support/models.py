@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.core.llm_engine import LLMEngine
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 
 

@@ -1,0 +1,1 @@
+"""Rewritten layers: fused and packed linears, batch-invariant modules."""

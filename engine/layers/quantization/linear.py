@@ -1,0 +1,165 @@
+"""Drop-in replacements for nn.Linear that hold weight-only quantized weights.
+
+Which kernel is fastest depends on how many token rows the step carries: a quantized
+kernel reads 4-8x fewer weight bytes, which wins while the step is bound by reading the
+weights (decode at a few streams), but its unpacking costs more per row than a dense GEMM,
+which wins from a few rows up (measurements in docs/quantization.md). So a module may keep
+a dense copy of its weight and use it for calls with more than `dense_above` rows. The
+check is on a static shape, so torch.compile turns it into a guard, not a graph break.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engine.layers.quantization.pack import Int4Weight, Int8Weight
+
+# bfloat16: the CPU kernels' fast path (their float32-activation path is 10-20x slower here).
+KERNEL_DTYPE = torch.bfloat16
+
+
+class _QuantLinear(nn.Module):
+    """Shared shape handling: [..., K] -> [rows, K] -> kernel -> [..., N], plus the dense path."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 dense: torch.Tensor | None, dense_above: int, kernel_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dense_above = dense_above
+        self.kernel_dtype = kernel_dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        # The dense path is an nn.Linear of its own (engine/layers/packed_linear.py may swap it for
+        # a packed one), sharing the bias and, with tied embeddings, the embedding's table.
+        self.dense = None if dense is None else _dense_linear(dense, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = math.prod(x.shape[:-1])
+        if self.dense is not None and rows > self.dense_above:
+            return self.dense(x)
+        out = self._kernel(x.reshape(rows, self.in_features).to(self.kernel_dtype))
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        dense = f", dense above {self.dense_above} rows" if self.dense is not None else ""
+        return f"in={self.in_features}, out={self.out_features}{dense}"
+
+    def _concat_base(self, parts: Sequence[_QuantLinear]) -> bool:
+        """Set up self (made by cls.__new__) as the parts concatenated along their outputs,
+        everything but the kernel's own buffers. False if the parts differ in kind."""
+        first = parts[0]
+        if len({(p.in_features, p.dense_above, p.kernel_dtype, p.dense is None,
+                 p.bias is None) for p in parts}) != 1:
+            return False
+        dense = None
+        if first.dense is not None:
+            dense = torch.cat([p.dense.weight for p in parts if p.dense is not None])
+        bias = None if first.bias is None else torch.cat([p.bias for p in parts
+                                                            if p.bias is not None])
+        _QuantLinear.__init__(self, first.in_features, sum(p.out_features for p in parts), bias,
+                              dense, first.dense_above, first.kernel_dtype)
+        return True
+
+
+def concat_dense(weights: Sequence[torch.Tensor],
+                 biases: Sequence[torch.Tensor | None]) -> nn.Linear:
+    """nn.Linears' weights (and biases, all or none) concatenated along the outputs."""
+    bias = None if biases[0] is None else nn.Parameter(
+        torch.cat([b for b in biases if b is not None]).detach(), requires_grad=False)
+    return _dense_linear(torch.cat([w.detach() for w in weights]), bias)
+
+
+def _dense_linear(weight: torch.Tensor, bias: nn.Parameter | None) -> nn.Linear:
+    n, k = weight.shape
+    linear = nn.Linear(k, n, bias=False, device="meta", dtype=weight.dtype)
+    # A Parameter, not a copy: a tied weight (the embedding) stays one shared tensor.
+    linear.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(
+        weight.detach(), requires_grad=False)
+    linear.register_parameter("bias", bias)
+    return linear
+
+
+class Int4Linear(_QuantLinear):
+    """int4 groupwise codes packed for `aten._weight_int4pack_mm_for_cpu`."""
+
+    packed: torch.Tensor  # buffers
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None, dense_above: int = 0,
+                 kernel_dtype: torch.dtype = KERNEL_DTYPE) -> None:
+        n, k = weight.codes.shape
+        super().__init__(k, n, bias, dense, dense_above, kernel_dtype)
+        self.group_size = weight.group_size
+        self.register_buffer("packed", weight.packed())
+        self.register_buffer("scales_and_zeros", weight.scales_and_zeros(kernel_dtype))
+
+    @classmethod
+    def concat(cls, parts: Sequence[Int4Linear]) -> Int4Linear | None:
+        """One module whose output is the parts' outputs side by side; None if they differ in
+        kind, or if the kernel's packed layout does not concatenate (it is blocked along the
+        outputs, 64 rows to a block in torch 2.13: parts of 32 rows do not line up), which a
+        probe through the kernel checks bit for bit."""
+        fused = cls.__new__(cls)
+        if len({p.group_size for p in parts}) != 1 or not fused._concat_base(parts):
+            return None
+        fused.group_size = parts[0].group_size
+        fused.register_buffer("packed", torch.cat([p.packed for p in parts]))
+        fused.register_buffer("scales_and_zeros",
+                              torch.cat([p.scales_and_zeros for p in parts], dim=1))
+        return fused if _same_kernel_outputs(fused, parts) else None
+
+    def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size,
+                                                           self.scales_and_zeros)
+
+    def extra_repr(self) -> str:
+        return f"int4 g{self.group_size}, " + super().extra_repr()
+
+
+class Int8Linear(_QuantLinear):
+    """int8 codes with a scale per output row for `aten._weight_int8pack_mm`."""
+
+    codes: torch.Tensor  # buffers
+    scales: torch.Tensor
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None = None,
+                 dense: torch.Tensor | None = None, dense_above: int = 0,
+                 kernel_dtype: torch.dtype = KERNEL_DTYPE) -> None:
+        n, k = weight.codes.shape
+        super().__init__(k, n, bias, dense, dense_above, kernel_dtype)
+        self.register_buffer("codes", weight.codes.contiguous())
+        self.register_buffer("scales", weight.scale.to(kernel_dtype))
+
+    @classmethod
+    def concat(cls, parts: Sequence[Int8Linear]) -> Int8Linear | None:
+        """One module whose output is the parts' outputs side by side; None if they differ."""
+        fused = cls.__new__(cls)
+        if not fused._concat_base(parts):
+            return None
+        fused.register_buffer("codes", torch.cat([p.codes for p in parts]))
+        fused.register_buffer("scales", torch.cat([p.scales for p in parts]))
+        return fused if _same_kernel_outputs(fused, parts) else None
+
+    def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x2d, self.codes, self.scales)
+
+    def extra_repr(self) -> str:
+        return "int8 per-row, " + super().extra_repr()
+
+
+def _same_kernel_outputs(fused: _QuantLinear, parts: Sequence[_QuantLinear]) -> bool:
+    """Whether the fused kernel gives every part's output bits, on a probe of two rows."""
+    device = next(fused.buffers()).device
+    gen = torch.Generator(device=device).manual_seed(0)
+    probe = torch.randn(2, fused.in_features, generator=gen, device=device).to(fused.kernel_dtype)
+    with torch.inference_mode():
+        return torch.equal(fused._kernel(probe), torch.cat([p._kernel(probe) for p in parts], -1))

@@ -1,0 +1,88 @@
+"""Weight-only quantized tensors in the layouts of torch's CPU kernels.
+
+Two kernels, both weight-only (activations stay floating point):
+
+- int4 groupwise, `aten._weight_int4pack_mm_for_cpu`: 4-bit codes q in [0, 15] packed two per
+  byte by `aten._convert_weight_to_int4pack_for_cpu`, and per (group of K, output row) a
+  (scale, zero) pair with the kernel's dequantization w = (q - 8) * scale + zero. A GGUF
+  Q4_1 block (w = d * q + m) is scale = d, zero = m + 8 d; Q4_0 (w = d * (q - 8)) is
+  scale = d, zero = 0. Checked bitwise against gguf's own dequantization through the kernel
+  (tests/engine/test_quant.py).
+- int8 per output channel, `aten._weight_int8pack_mm`: w = q * scale[row]. The kernel has
+  one scale per row only, so a GGUF Q8_0 tensor (a scale per 32 values) is re-quantized
+  per row from its exact values: that is the one lossy step, stated in engine/layers/quantization/quant.py.
+
+Both kernels want the scales in the activation dtype, and on an AVX2 CPU without native
+bf16 their float32-activation path is 10-20x slower than their bfloat16 one (measured,
+docs/quantization.md): the modules in engine/layers/quantization/linear.py run them in bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """Codes q [N, K] (int32 in 0..15) with scale and zero [N, K // group] (float32)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        q = self.codes.reshape(n, k // self.group_size, self.group_size).float() - 8.0
+        w = q * self.scale[..., None] + self.zero[..., None]
+        return w.reshape(n, k)
+
+    def packed(self) -> torch.Tensor:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.codes.to(torch.int32), 1)
+
+    def scales_and_zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        """The kernel's [K // group, N, 2] table."""
+        return torch.stack([self.scale.t(), self.zero.t()], dim=-1).to(dtype).contiguous()
+
+    def permute_rows(self, order: torch.Tensor) -> Int4Weight:
+        return Int4Weight(self.codes[order], self.scale[order], self.zero[order], self.group_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    """Codes q [N, K] (int8) with one scale per output row [N] (float32)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scale[:, None]
+
+    def permute_rows(self, order: torch.Tensor) -> Int8Weight:
+        return Int8Weight(self.codes[order], self.scale[order])
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    """Asymmetric min/max groupwise 4-bit: each group's range maps onto the 16 codes."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}")
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8)  # a constant group still gets a usable scale
+    codes = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    return Int4Weight(codes.reshape(n, k), scale, lo + 8.0 * scale, group_size)
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-row 8-bit: scale = max |w| / 127, so zero stays exactly zero."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8Weight(codes, scale)

@@ -1,0 +1,1 @@
+"""Sampling: one step's sampling inputs as tensors, and the batched sampler."""

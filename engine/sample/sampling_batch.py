@@ -1,0 +1,270 @@
+"""SamplingBatch: one step's sampling inputs as device tensors, built in the runner's prepare.
+
+The sampler (engine/sample/sampler.py) is a function of (logits, SamplingBatch) and never sees a
+Sequence: `SamplingBatchBuilder.build` reads the sampled sequences' SamplingParams and
+progress in one pass and turns what it found into tensors through `step_tensors.to_device`,
+like every other input of the step. Rows that need nothing special cost nothing: an
+all-greedy step builds no tensor at all.
+
+Randomness is an input too: a seeded row's uniform is a pure function of (seed, number of
+output tokens so far), so its tokens do not depend on the batch, the step it lands in,
+preemption or the device; unseeded rows take theirs from the builder's own generator.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
+from itertools import chain
+
+import torch
+
+from engine.worker.step_tensors import to_device
+from scheduler import stop_policy
+from scheduler.sequence import Sequence
+
+_MASK64 = (1 << 64) - 1
+MIN_TEMPERATURE = 1e-5  # below this, logits / T overflows: treat as greedy, as vLLM does
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, step: int) -> float:
+    """A uniform in [0, 1) that is a pure function of (request seed, output position)."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ step) >> 11) * 2.0**-53
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GrammarMasks:
+    """One step's allowed tokens (engine/structured_output/manager.py fills them): bitmask row i, int32
+    words on the CPU, for sequence seq_ids[i]."""
+
+    seq_ids: tuple[str, ...]
+    bitmask: torch.Tensor  # [c, ceil(V / 32)] int32
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RowParam:
+    """A parameter only some rows set: values [r] for rows [r] of the sub-batch it applies to
+    (rows None: every row, in order, so no gather is needed)."""
+
+    rows: torch.Tensor | None
+    values: torch.Tensor  # [r]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Penalties:
+    """Repetition / presence / frequency penalties of the rows that have any."""
+
+    rows: torch.Tensor  # [p] batch rows with a penalty
+    repetition: torch.Tensor  # [p] float32
+    presence: torch.Tensor  # [p] float32
+    frequency: torch.Tensor  # [p] float32
+    seen_rows: torch.Tensor  # [a] for every prompt + output token: its row in 0..p-1
+    seen_ids: torch.Tensor  # [a] that token id
+    output_rows: torch.Tensor  # [b] the same for output tokens only
+    output_ids: torch.Tensor  # [b]
+
+
+def build_penalties(rows: list[int], prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    repetition: list[float], presence: list[float], frequency: list[float],
+                    device: torch.device) -> Penalties:
+    """Flatten each penalised row's ragged token lists into (row, token id) tensors."""
+    seen = [p + o for p, o in zip(prompt_ids, output_ids)]
+    seen_rows, seen_ids = _flatten(seen, device)
+    output_rows, output_ids_t = _flatten(output_ids, device)
+    f32 = torch.float32
+    return Penalties(rows=to_device(rows, torch.long, device),
+                     repetition=to_device(repetition, f32, device),
+                     presence=to_device(presence, f32, device),
+                     frequency=to_device(frequency, f32, device),
+                     seen_rows=seen_rows, seen_ids=seen_ids,
+                     output_rows=output_rows, output_ids=output_ids_t)
+
+
+def _flatten(token_lists: list[list[int]],
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = chain.from_iterable([r] * len(t) for r, t in enumerate(token_lists))
+    return (to_device(rows, torch.long, device),
+            to_device(chain.from_iterable(token_lists), torch.long, device))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SamplingBatch:
+    """Rows are the step's sampling sequences in batch order. Rows with temperature 0 are
+    greedy; the others ("sampled", s of them) are drawn, and the RowParams of the draw
+    (top_k, top_p, min_p) index the sampled sub-batch 0..s-1."""
+
+    num_rows: int
+    vocab_size: int  # logits columns past it (a padded LM head) are cut off
+    sampled: torch.Tensor | None  # [s] rows drawn at random; None when every row is greedy
+    temperature: torch.Tensor | None  # [s] float32
+    uniforms: torch.Tensor | None  # [s] float32, one draw each
+    top_k: RowParam | None
+    top_k_max: int  # the largest top_k value (a Python int: topk needs it without a sync)
+    top_p: RowParam | None
+    min_p: RowParam | None
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, bias)
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) min_tokens forbids
+    penalties: Penalties | None
+    logprob_rows: tuple[int, ...]  # rows that report logprobs (where their results go)
+    logprob_index: torch.Tensor | None  # [l] the same rows
+    logprob_top_n: tuple[int, ...]  # [l] top-N alternatives each
+    # Structured outputs: (rows [c], int32 bitmask [c, ceil(V / 32)]) of the constrained
+    # rows; token t allowed iff bit t % 32 of word t // 32 is set (engine/structured_output/grammar.py).
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def num_sampled(self) -> int:
+        return 0 if self.sampled is None else self.sampled.shape[0]
+
+
+@dataclass(slots=True)
+class _Rows:
+    """Some rows of a batch and one value per row."""
+
+    rows: list[int] = field(default_factory=list)
+    values: list = field(default_factory=list)
+
+    def add(self, row: int, value: object) -> None:
+        self.rows.append(row)
+        self.values.append(value)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What the Python side found, gathered in one pass over the sequences. Rows in
+    temperature/top_k/top_p/min_p/uniforms index the sampled sub-batch."""
+
+    sampled: list[int] = field(default_factory=list)  # batch rows drawn at random
+    bias: list[tuple[int, int, float]] = field(default_factory=list)  # (row, token, bias)
+    banned: list[tuple[int, int]] = field(default_factory=list)  # (row, token) for min_tokens
+    penalised: list[int] = field(default_factory=list)
+    logprobs: _Rows = field(default_factory=_Rows)  # value: top-N
+    temperature: list[float] = field(default_factory=list)
+    top_k: _Rows = field(default_factory=_Rows)
+    top_p: _Rows = field(default_factory=_Rows)
+    min_p: _Rows = field(default_factory=_Rows)
+    uniforms: list[float] = field(default_factory=list)
+
+
+class SamplingBatchBuilder:
+    """Builds a step's SamplingBatch from its sampling sequences (the runner's one place)."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Collection[int] = (),
+                 seed: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self._rng = random.Random(seed)  # unseeded rows; None seeds from OS entropy
+
+    def build(self, seqs: list[Sequence], device: torch.device,
+              masks: GrammarMasks | None = None) -> SamplingBatch:
+        """`masks`: the step's grammar bitmasks, by sequence id (only constrained ones)."""
+        constrained = {} if masks is None else {sid: i for i, sid in enumerate(masks.seq_ids)}
+        plan = self._plan(seqs, constrained)
+        batch = self._to_batch(plan, seqs, device)
+        if masks is None or not constrained:
+            return batch
+        return replace(batch, allowed=self._allowed(seqs, constrained, masks, device))
+
+    def _plan(self, seqs: list[Sequence], constrained: Collection[str] = ()) -> _Plan:
+        plan = _Plan()
+        for row, seq in enumerate(seqs):
+            params = seq.params
+            if params.temperature >= MIN_TEMPERATURE:
+                self._plan_sampled(plan, row, seq)
+            plan.bias.extend((row, t, b) for t, b in params.logit_bias.items()
+                             if t < self.vocab_size)
+            # A grammar decides where EOS may go (banning it could leave no token at all);
+            # the engine finishes the sequence when the grammar ends.
+            if not stop_policy.may_stop(seq) and seq.seq_id not in constrained:
+                plan.banned.extend((row, t) for t in self._stop_ids(seq))
+            if params.needs_penalties:
+                plan.penalised.append(row)
+            if params.logprobs is not None:
+                plan.logprobs.add(row, params.logprobs)
+        return plan
+
+    def _plan_sampled(self, plan: _Plan, row: int, seq: Sequence) -> None:
+        params, pos = seq.params, len(plan.sampled)
+        plan.sampled.append(row)
+        plan.temperature.append(params.temperature)
+        if 0 < params.top_k < self.vocab_size:
+            plan.top_k.add(pos, params.top_k)
+        if params.top_p < 1.0:
+            plan.top_p.add(pos, params.top_p)
+        if params.min_p > 0.0:
+            plan.min_p.add(pos, params.min_p)
+        seed = params.seed
+        plan.uniforms.append(self._rng.random() if seed is None
+                             else seeded_uniform(seed, seq.num_output_tokens))
+
+    def _stop_ids(self, seq: Sequence) -> set[int]:
+        """Tokens min_tokens forbids (stop_policy.stop_tokens), those in the vocabulary."""
+        return {t for t in stop_policy.stop_tokens(seq.params, self.eos_token_ids)
+                if t < self.vocab_size}
+
+    def _to_batch(self, plan: _Plan, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+        f32, long = torch.float32, torch.long
+        s = len(plan.sampled)
+
+        def opt(values: list, dtype: torch.dtype) -> torch.Tensor | None:
+            return to_device(values, dtype, device) if values else None
+
+        def row_param(subset: _Rows, dtype: torch.dtype) -> RowParam | None:
+            if not subset.rows:
+                return None
+            rows = None if len(subset.rows) == s else to_device(subset.rows, long, device)
+            return RowParam(rows, to_device(subset.values, dtype, device))
+
+        return SamplingBatch(
+            num_rows=len(seqs), vocab_size=self.vocab_size, sampled=opt(plan.sampled, long),
+            temperature=opt(plan.temperature, f32), uniforms=opt(plan.uniforms, f32),
+            top_k=row_param(plan.top_k, long), top_k_max=max(plan.top_k.values, default=0),
+            top_p=row_param(plan.top_p, f32), min_p=row_param(plan.min_p, f32),
+            bias=self._bias(plan, device), banned=self._banned(plan, device),
+            penalties=self._penalties(plan, seqs, device),
+            logprob_rows=tuple(plan.logprobs.rows), logprob_index=opt(plan.logprobs.rows, long),
+            logprob_top_n=tuple(plan.logprobs.values))
+
+    @staticmethod
+    def _allowed(seqs: list[Sequence], constrained: dict[str, int], masks: GrammarMasks,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [r for r, seq in enumerate(seqs) if seq.seq_id in constrained]
+        order = [constrained[seqs[r].seq_id] for r in rows]
+        bitmask = masks.bitmask[order] if order != list(range(len(order))) else masks.bitmask
+        return (to_device(rows, torch.long, device),
+                bitmask.to(device, non_blocking=device.type == "cuda"))
+
+    @staticmethod
+    def _bias(plan: _Plan,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if not plan.bias:
+            return None
+        rows, cols, vals = zip(*plan.bias)
+        return (to_device(rows, torch.long, device), to_device(cols, torch.long, device),
+                to_device(vals, torch.float32, device))
+
+    @staticmethod
+    def _banned(plan: _Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not plan.banned:
+            return None
+        rows, cols = zip(*plan.banned)
+        return to_device(rows, torch.long, device), to_device(cols, torch.long, device)
+
+    @staticmethod
+    def _penalties(plan: _Plan, seqs: list[Sequence], device: torch.device) -> Penalties | None:
+        if not plan.penalised:
+            return None
+        chosen = [seqs[r] for r in plan.penalised]
+        params = [s.params for s in chosen]
+        return build_penalties(
+            plan.penalised, [s.prompt_token_ids for s in chosen],
+            [s.output_token_ids for s in chosen], [p.repetition_penalty for p in params],
+            [p.presence_penalty for p in params], [p.frequency_penalty for p in params], device)

@@ -1,0 +1,394 @@
+"""ModelRunner: one packed forward per engine step over a paged KV pool.
+
+`execute()` turns a SchedulerOutput into tensors in one place (`_prepare`: model inputs,
+attention metadata and the sampler's batch, all through `step_tensors.to_device`), runs the
+HF model once over all scheduled tokens ([1, T], positions restarting per sequence, no
+padding), computes logits only at the positions that need them, and samples.
+
+The runner keeps no per-request state: everything a step needs comes with the
+SchedulerOutput's sequences, so there is nothing to release when a request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import cpu_kernels
+from engine.attention import paged as attention
+from engine.attention.paged import AttentionMetadata, build_metadata
+from engine.config import EngineConfig
+from engine.layers import batch_invariant
+from engine.sample.sampler import compute_prompt_logprobs, sample
+from engine.sample.sampling_batch import GrammarMasks, SamplingBatch, SamplingBatchBuilder
+from engine.worker import huge_pages
+from engine.worker.cache_paths import cache_root
+from engine.worker.compile import CompiledForward, use_cache_dir, wants_compile
+from engine.worker.loader import load_model
+from engine.worker.runner_output import RequestFault, RunnerOutput
+from engine.worker.step_tensors import to_device
+from scheduler.output import SchedulerOutput
+from scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """A sequence's prompt positions that report logprobs this step: logits rows
+    [row, row + count), predicting prompt_targets[offset : offset + count]."""
+
+    seq_id: str
+    row: int
+    count: int
+    offset: int
+    top_n: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepInputs:
+    input_ids: torch.Tensor  # [1, T] (padded to a bucket when compiled)
+    position_ids: torch.Tensor  # [1, T]
+    metadata: AttentionMetadata
+    keep: torch.Tensor  # [K] packed positions whose logits are computed
+    sample_ids: list[str]  # the sequences that sample, in batch order
+    sample_rows: torch.Tensor | None  # [S] their logits rows; None when none samples
+    samples_every_row: bool  # sample_rows is 0..K-1: the logits are sampled as they are
+    sampling: SamplingBatch | None  # their sampling inputs
+    prompt_rows: list[PromptRows]
+    prompt_targets: torch.Tensor | None  # [P] the prompt token each prompt row predicts
+
+
+@dataclass(slots=True)
+class _Flat:
+    """A step's Python lists before they become tensors (see ModelRunner._flatten)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    decodes: list[tuple[list[int], int]] = field(default_factory=list)
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    keep: list[int] = field(default_factory=list)
+    sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (batch index, row)
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_size = config.scheduler.block_size
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self) -> None:
+        torch.set_num_threads(self.config.num_threads or _usable_cores())
+        torch.manual_seed(self.config.seed)
+        attention.register()
+        loaded = load_model(self.config.model, self.config.device, self.config.dtype,
+                            self.config.quantization, self.config.batch_invariant)
+        self.model = loaded.model
+        self.model.set_attn_implementation(attention.ATTN_NAME)
+        if self.config.batch_invariant:
+            batch_invariant.enable(self.model)
+        self.compiled: CompiledForward | None = None
+        self.tokenizer = loaded.tokenizer
+        self.facts = facts = loaded.facts
+        self.device: torch.device = self.model.device
+        self.dtype: torch.dtype = self.model.dtype
+        self.vocab_size = facts.vocab_size
+        self.eos_token_ids = facts.eos_token_ids
+        self.model_display_name = facts.display_name
+        self.max_model_len = min(self.config.scheduler.max_model_len,
+                                 facts.max_position_embeddings, self._sliding_window_cap())
+        # Decode attention through our C++ kernel where it builds (CPU, fp32/bf16): before
+        # the pool and the warm-up, so both see the step the server will run.
+        self.paged_decode_kernel = (not self.config.batch_invariant and cpu_kernels.
+                                    wants_paged_decode(self.config.attention_backend,
+                                                       self.device, self.dtype))
+        self.num_kv_blocks = self._num_blocks()
+        self.kv_cache = self._new_pool(self.num_kv_blocks)
+        self.sampling = SamplingBatchBuilder(self.vocab_size, self.eos_token_ids,
+                                             seed=self.config.seed)
+        self._warm_up()
+        log.info("model %s on %s (%s): %d KV blocks of %d tokens; decode attention: %s",
+                 self.model_display_name, self.device, self.dtype, self.num_kv_blocks,
+                 self.block_size, "C++ kernel" if self.paged_decode_kernel else "torch")
+
+    def _sliding_window_cap(self) -> int:
+        """Our attention is always full: on a sliding-window model (Mistral v0.1) it is only
+        exact up to the window, so sequences are capped there rather than silently wrong."""
+        cfg = self.model.config.get_text_config()
+        window = getattr(cfg, "sliding_window", None)
+        if not window or getattr(cfg, "use_sliding_window", True) is False:
+            return 1 << 62
+        log.warning("sliding-window attention (window %d) is not implemented: max_model_len "
+                    "is capped at the window", window)
+        return int(window)
+
+    def _new_pool(self, num_blocks: int) -> torch.Tensor:
+        """One pool for all layers: [layers, K/V, blocks, kvH, block_size, hd]; on the CPU on
+        huge pages where the OS has them (engine/worker/huge_pages.py)."""
+        f = self.facts
+        shape = (f.num_layers, 2, num_blocks, f.num_kv_heads, self.block_size, f.head_dim)
+        if self.device.type == "cpu":
+            return huge_pages.zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _block_bytes(self) -> int:
+        f = self.facts
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return f.num_layers * 2 * self.block_size * f.num_kv_heads * f.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._profile_free_cuda_memory()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        blocks = budget // self._block_bytes()
+        if blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block "
+                             f"({self._block_bytes()} bytes each)")
+        return blocks
+
+    def _profile_free_cuda_memory(self) -> int:
+        """Run the largest prefill and the largest decode step once without the pool; what is
+        left under the limit after the bigger of their peaks is for KV."""
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        peak = max(self._cuda_peak(self._worst_prefill),
+                   self._cuda_peak(self._worst_decode_step))
+        # total - free: weights, CUDA context and other processes, all already in use
+        return int(total * self.config.gpu_memory_utilization) - (total - free) - (peak - before)
+
+    def _cuda_peak(self, step: Callable[[], None]) -> int:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        step()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _worst_prefill(self) -> None:
+        """The whole token budget in one prefill whose every row is kept and scored, as a
+        prompt_logprobs request's are: its [rows, vocab] logits and their float32 log-softmax
+        are the step's largest transient (an 8B Llama-3 at 2048 rows: ~3 GB), which a profile
+        keeping only max_num_seqs rows left out of the KV budget."""
+        rows = self.config.scheduler.max_num_batched_tokens
+        logits = self._dummy_forward(0, 0, rows, kv_cache=None, keep_rows=rows)
+        targets = torch.zeros(logits.shape[0], dtype=torch.long, device=self.device)
+        compute_prompt_logprobs(logits.float(), targets, 1)
+
+    def _worst_decode_step(self, kv_cache: torch.Tensor | None = None) -> None:
+        """max_num_seqs decodes at max_model_len context, the rest of the token budget one
+        prefill: the step whose decode K/V gathers are largest (attention.decode_gather_budget
+        caps each group, so this peak is what a real step can reach). Without a pool, every
+        block table points at block 0 of a one-block scratch pool: sizes matter, not values."""
+        s = self.config.scheduler
+        num_decodes = min(s.max_num_seqs, s.max_num_batched_tokens)
+        pool = kv_cache if kv_cache is not None else self._new_pool(1)
+        self._dummy_forward(num_decodes, self.max_model_len,
+                            s.max_num_batched_tokens - num_decodes, pool)
+
+    def _warm_up(self) -> None:
+        n = min(self.config.scheduler.max_num_batched_tokens, self.block_size * self.num_kv_blocks,
+                self.max_model_len, 64 if self.device.type == "cpu" else 1 << 30)
+        self._dummy_forward(0, 0, n, kv_cache=None)
+        if wants_compile(self.config):
+            use_cache_dir(cache_root())
+            self.compiled = CompiledForward(self.model,
+                                            self.config.scheduler.max_num_batched_tokens,
+                                            dynamic=self.config.compile_dynamic)
+            self.compiled.warm_up(lambda size: self._dummy_forward(0, 0, size, kv_cache=None))
+
+    @torch.inference_mode()
+    def _dummy_forward(self, num_decodes: int, context: int, num_prefill: int,
+                       kv_cache: torch.Tensor | None,
+                       keep_rows: int | None = None) -> torch.Tensor:
+        """num_decodes decodes of `context` tokens whose block tables are all block 0, then
+        one c == 0 prefill of num_prefill tokens (it reads nothing from the pool). New K/V go
+        to block 0 (nowhere when kv_cache is None, which allows no decodes). The logits of
+        `keep_rows` rows (default: a sampled row per sequence, max_num_seqs) are returned."""
+        bs, dev = self.block_size, self.device
+        table = [0] * -(-context // bs)
+        slots = [(context - 1) % bs] * num_decodes + [p % bs for p in range(num_prefill)]
+        prefills = [(num_decodes, num_prefill, 0, table)] if num_prefill else []
+        meta = build_metadata(kv_cache, bs, slots, [(table, context)] * num_decodes, prefills,
+                              dev, paged_decode_kernel=self.paged_decode_kernel)
+        n = num_decodes + num_prefill
+        positions = [context - 1] * num_decodes + list(range(num_prefill))
+        kept = self.config.scheduler.max_num_seqs if keep_rows is None else keep_rows
+        keep = torch.arange(min(n, kept), device=dev)
+        return self._forward(self._padded([0] * n), self._padded(positions), meta, keep)
+
+    def _padded(self, values: list[int]) -> torch.Tensor:
+        """[1, T] on the device; padded with zeros to the compiled bucket of T (see
+        engine/worker/compile.py: the attention op ignores the padding rows)."""
+        if self.compiled is not None:
+            values = values + [0] * (self.compiled.padded_size(len(values)) - len(values))
+        return to_device([values], torch.long, self.device)
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 meta: AttentionMetadata, keep: torch.Tensor) -> torch.Tensor:
+        """Logits [K, vocab] of the kept packed positions."""
+        if self.compiled is not None:
+            hidden = self.compiled.hidden(input_ids, position_ids, meta)
+            return self.compiled.logits(hidden, keep)
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                          attn_metadata=meta, logits_to_keep=keep).logits[0]
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput, masks: GrammarMasks | None = None) -> RunnerOutput:
+        """`masks`: the allowed tokens of the constrained sequences that sample this step."""
+        output = RunnerOutput()
+        if batch.is_empty:
+            return output
+        step = self._prepare(batch, masks)
+        logits = self._forward(step.input_ids, step.position_ids, step.metadata, step.keep)
+        self._sample(step, logits, output, batch, masks)
+        self._prompt_logprobs(step, logits, output)
+        return output
+
+    def _prepare(self, batch: SchedulerOutput, masks: GrammarMasks | None = None) -> StepInputs:
+        """Every input of the step, on the device, built here and only here."""
+        flat = self._flatten(batch)
+        dev, long = self.device, torch.long
+        sample_rows = sorted(flat.sample_rows)  # batch order, as the sampler sees the rows
+        sampled = [batch.seqs[i] for i, _ in sample_rows]
+        rows = [r for _, r in sample_rows]
+        return StepInputs(
+            input_ids=self._padded(flat.ids),
+            position_ids=self._padded(flat.positions),
+            metadata=build_metadata(self.kv_cache, self.block_size, flat.slots, flat.decodes,
+                                    flat.prefills, dev,
+                                    batch_invariant=self.config.batch_invariant,
+                                    paged_decode_kernel=self.paged_decode_kernel),
+            keep=to_device(flat.keep, long, dev),
+            sample_ids=[seq.seq_id for seq in sampled],
+            sample_rows=to_device(rows, long, dev) if sampled else None,
+            samples_every_row=rows == list(range(len(flat.keep))),
+            sampling=self.sampling.build(sampled, dev, masks) if sampled else None,
+            prompt_rows=flat.prompt_rows,
+            prompt_targets=(to_device(flat.prompt_targets, long, dev) if flat.prompt_targets
+                            else None),
+        )
+
+    def _flatten(self, batch: SchedulerOutput) -> _Flat:
+        """The batch as lists: decode tokens (n == 1) first, then prefill chunks. In
+        batch-invariant mode decodes go by context length, so equal widths form one group."""
+        invariant = self.config.batch_invariant
+        order = sorted(range(len(batch.seqs)), key=lambda i: (
+            batch.num_scheduled_tokens[i] != 1,
+            batch.seqs[i].num_computed_tokens // self.block_size if invariant else 0))
+        flat = _Flat()
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_scheduled_tokens[i]
+            c, start = seq.num_computed_tokens, len(flat.ids)
+            flat.ids += seq.token_ids[c:c + n]
+            flat.positions += range(c, c + n)
+            flat.slots += (self._slot(seq.block_table, p) for p in range(c, c + n))
+            if n == 1:
+                flat.decodes.append((seq.block_table, c + 1))
+            else:
+                flat.prefills.append((start, n, c, seq.block_table))
+            first, targets = self._prompt_positions(seq, c, n)
+            if targets:
+                flat.prompt_rows.append(PromptRows(seq.seq_id, len(flat.keep), len(targets),
+                                                   len(flat.prompt_targets),
+                                                   seq.params.prompt_logprobs or 0))
+                flat.prompt_targets += targets
+                flat.keep += range(start + first - c, start + first - c + len(targets))
+            if batch.samples(i):
+                flat.sample_rows.append((i, len(flat.keep)))
+                flat.keep.append(start + n - 1)
+        return flat
+
+    def _slot(self, table: list[int], pos: int) -> int:
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    @staticmethod
+    def _prompt_positions(seq: Sequence, c: int, n: int) -> tuple[int, list[int]]:
+        """Prompt positions of this chunk still owed a prompt logprob -> (first, target ids).
+
+        Position p predicts prompt token p + 1. Every position below the sequence's
+        max_num_computed_tokens was computed, and so reported, by an earlier step: a
+        recompute after preemption skips them. (Prefix-cache hits would count as computed
+        without a forward; the block manager gives none to prompt_logprobs requests.)"""
+        if seq.params.prompt_logprobs is None:
+            return c, []
+        first = max(c, seq.max_num_computed_tokens)
+        end = min(c + n, seq.num_prompt_tokens - 1)
+        if first >= end:
+            return first, []
+        return first, seq.token_ids[first + 1:end + 1]
+
+    def _sample(self, step: StepInputs, logits: torch.Tensor, output: RunnerOutput,
+                batch: SchedulerOutput, masks: GrammarMasks | None) -> None:
+        """Sample the step's rows. A failure is put on the rows that fail alone (RequestFault);
+        a token id outside the vocabulary never leaves here (it would index the embedding)."""
+        if step.sample_rows is None or step.sampling is None:
+            return
+        # A decode-only step samples every row in order: no [S, V] copy (64 x 49152 bf16: 6 MB)
+        rows = logits if step.samples_every_row else logits.index_select(0, step.sample_rows)
+        try:
+            tokens, logprobs = sample(rows, step.sampling)
+        except Exception as e:  # find whose inputs it was, else re-raise
+            raise self._blame(rows, step.sample_ids, batch, masks, e) from e
+        bad = [sid for sid, t in zip(step.sample_ids, tokens) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestFault(bad, "sampled a token id outside the vocabulary")
+        for seq_id, token, lp in zip(step.sample_ids, tokens, logprobs, strict=True):
+            output.sampled_token_ids[seq_id] = token
+            if lp is not None:
+                output.logprobs[seq_id] = lp
+
+    def _blame(self, rows: torch.Tensor, seq_ids: list[str], batch: SchedulerOutput,
+               masks: GrammarMasks | None, error: Exception) -> Exception:
+        """Sample each row alone (only after a failure: one small draw per row): the rows that
+        fail by themselves are the culprits; none means the batch failed as a whole."""
+        seqs = {seq.seq_id: seq for seq in batch.seqs}
+        culprits = []
+        for i, seq_id in enumerate(seq_ids):
+            one = self.sampling.build([seqs[seq_id]], self.device, _masks_of(masks, seq_id))
+            try:
+                sample(rows[i:i + 1], one)
+            except Exception:  # noqa: BLE001 - this row's inputs fail on their own
+                culprits.append(seq_id)
+        return RequestFault(culprits, f"sampling failed: {error}") if culprits else error
+
+    def _prompt_logprobs(self, step: StepInputs, logits: torch.Tensor,
+                         output: RunnerOutput) -> None:
+        for p in step.prompt_rows:
+            assert step.prompt_targets is not None
+            target = step.prompt_targets[p.offset:p.offset + p.count]
+            rows = logits[p.row:p.row + p.count].float()
+            try:
+                output.prompt_logprobs[p.seq_id] = compute_prompt_logprobs(rows, target, p.top_n)
+            except Exception as e:  # one request's rows, one request's failure
+                raise RequestFault([p.seq_id], f"prompt logprobs failed: {e}") from e
+
+
+def _masks_of(masks: GrammarMasks | None, seq_id: str) -> GrammarMasks | None:
+    """One sequence's grammar mask out of a step's (None if it has none)."""
+    if masks is None or seq_id not in masks.seq_ids:
+        return None
+    i = masks.seq_ids.index(seq_id)
+    return GrammarMasks((seq_id,), masks.bitmask[i:i + 1])
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
