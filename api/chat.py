@@ -12,9 +12,10 @@ from starlette.responses import JSONResponse, Response
 from api.chat_template import render_chat
 from api.chat_tools import ToolCalls, finish_reason, make_parser, stream_delta
 from api.errors import CLIENT_CLOSED
-from api.options import truncate
-from api.params import read_json
-from api.protocol_chat import ChatRequest, parse_chat
+from api.requests.chat import ChatRequest, parse_chat
+from api.requests.options import truncate
+from api.requests.params import read_json
+from api.requests.sampling import build_params, check_context
 from api.responses import (
     ChoiceState,
     chat_choice,
@@ -25,7 +26,6 @@ from api.responses import (
     token_entries,
     usage,
 )
-from api.sampling import build_params, check_context
 from api.sse import sse_response
 from api.state import AppState, now, request_ids
 from api.streams import Job, MergedStream, run_unless_disconnected, start_stream

@@ -5,7 +5,7 @@ the request's tools.
 Tools go to the template's `tools` variable when the template renders them. Whether it
 does is found by rendering the request with and without its tools (a probe tool when only
 the history has tool calls): the same text means the template ignores tools (SmolLM2's
-does). Then the default tools prompt (api/tools.py) is put in the system message, and the
+does). Then the default tools prompt (api/requests/tools.py) is put in the system message, and the
 history's tool calls and results are written in the Hermes format the model is asked to
 use. The cost is one or two extra template renders, only for requests with tools.
 """
@@ -17,9 +17,9 @@ import json
 from typing import Any
 
 from api.errors import bad_request, from_engine_error
-from api.params import get_bool, get_dict, get_str
+from api.requests.params import get_bool, get_dict, get_str
+from api.requests.tools import ToolConfig, tools_prompt
 from api.state import tokenize_text
-from api.tools import ToolConfig, tools_prompt
 from engine.protocol import ChatTemplateArgs, EngineClient, EngineDeadError, EngineLimits
 
 TEMPLATE_FIELDS: dict[str, str] = {

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.forced_calls import NamedParser, RequiredParser
+from api.requests.tools import ToolConfig
 from api.tool_parser import CallDelta, HermesParser, OutputParser, Parsed
-from api.tools import ToolConfig
 
 
 def make_parser(config: ToolConfig | None) -> OutputParser | None:

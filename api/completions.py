@@ -11,9 +11,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from api.errors import CLIENT_CLOSED, bad_request, from_engine_error
-from api.options import truncate
-from api.params import read_json
-from api.protocol_completion import CompletionRequest, Prompt, parse_completion
+from api.requests.completion import CompletionRequest, Prompt, parse_completion
+from api.requests.options import truncate
+from api.requests.params import read_json
+from api.requests.sampling import build_params, check_context
 from api.responses import (
     ChoiceState,
     LogprobEntry,
@@ -25,7 +26,6 @@ from api.responses import (
     token_name,
     usage,
 )
-from api.sampling import build_params, check_context
 from api.sse import sse_response
 from api.state import AppState, now, request_ids, tokenize_text
 from api.streams import Job, MergedStream, run_unless_disconnected, start_stream

@@ -1,5 +1,5 @@
 """GET /openapi.json: an OpenAPI 3.1 document built from the same field tables the parsers
-use (api/fields.py, api/routes.py), so the description cannot drift from what the server
+use (api/requests/fields.py, api/routes.py), so the description cannot drift from what the server
 accepts; request fields carry their value constraints, responses their schemas."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from api import openapi_schemas as s
-from api.fields import CHAT_FIELDS, COMPLETION_FIELDS, Field, Status
+from api.requests.fields import CHAT_FIELDS, COMPLETION_FIELDS, Field, Status
 from api.routes import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
 ERROR_STATUSES = {"400": "Invalid request (the error names the parameter)",
@@ -47,7 +47,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
 _STREAM_OPTIONS_NEED_STREAM = {  # api/options.parse_stream_options
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
-_TOP_LOGPROBS_NEED_LOGPROBS = {  # api/protocol_chat._parse_logprobs
+_TOP_LOGPROBS_NEED_LOGPROBS = {  # api/requests/chat._parse_logprobs
     "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
 _PROMPT_OR_MESSAGES = {  # api/routes._tokens_of

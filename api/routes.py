@@ -10,12 +10,12 @@ from starlette.responses import JSONResponse, Response
 
 from api.chat_template import parse_template_fields, render_chat
 from api.errors import bad_request, not_ready
-from api.fields import check_field_types
 from api.lifecycle import shutting_down
-from api.params import INT64_MAX, get_bool, get_int_list, get_str, read_json
-from api.protocol_chat import parse_messages
+from api.requests.chat import parse_messages
+from api.requests.fields import check_field_types
+from api.requests.params import INT64_MAX, get_bool, get_int_list, get_str, read_json
+from api.requests.tools import parse_tools
 from api.state import AppState, now, tokenize_text
-from api.tools import parse_tools
 
 # Field -> JSON schema (served in /openapi.json). `model`, when present, must be a string:
 # these are not OpenAI routes, and null has no "default model" meaning here.

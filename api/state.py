@@ -13,7 +13,7 @@ from starlette.requests import Request
 from api.errors import APIError, bad_request, from_engine_error, not_ready
 from api.lifecycle import Lifecycle
 from api.metrics import ServerMetrics
-from api.params import check_unicode
+from api.requests.params import check_unicode
 from engine.protocol import EngineClient, EngineDeadError, EngineLimits
 
 logger = logging.getLogger("pagedserve.api")

@@ -14,8 +14,8 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from api import app as app_module
-from api.protocol_completion import MAX_CHOICES, MAX_PROMPTS
-from api.sampling import MAX_LOGPROBS, MAX_N
+from api.requests.completion import MAX_CHOICES, MAX_PROMPTS
+from api.requests.sampling import MAX_LOGPROBS, MAX_N
 from api.state import DEFAULT_MAX_BODY_BYTES
 from tests.support.apitools import serve
 from tests.support.errors import assert_error

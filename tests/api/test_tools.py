@@ -13,8 +13,8 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from api.requests.tools import MAX_TOOLS, TOOLS_PROMPT, ToolConfig, forced_schema
 from api.tool_parser import CallDelta, HermesParser, Parsed
-from api.tools import MAX_TOOLS, TOOLS_PROMPT, ToolConfig, forced_schema
 from tests.support.apitools import serve, sse_json
 from tests.support.errors import assert_error
 from tests.support.fake_engine import FakeEngine
@@ -101,7 +101,7 @@ def test_bad_tool_fields_name_the_param(client: TestClient, engine: FakeEngine,
 # --- the forced-call schema ---------------------------------------------------------------
 
 def _config(mode: str, parallel: bool = True, name: str | None = None) -> ToolConfig:
-    from api.tools import parse_tools
+    from api.requests.tools import parse_tools
     choice: Any = {"type": "function", "function": {"name": name}} if name else mode
     config = parse_tools({"tools": TOOLS, "tool_choice": choice,
                           "parallel_tool_calls": parallel})

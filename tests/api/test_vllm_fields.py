@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from api.fields import CHAT, CMPL, FIELDS, Status
+from api.requests.fields import CHAT, CMPL, FIELDS, Status
 from tests.support.apitools import sse_json
 from tests.support.errors import assert_error
 from tests.support.fake_engine import BOS, FakeEngine, tok

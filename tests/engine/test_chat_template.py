@@ -12,7 +12,7 @@ import pytest
 
 from api.chat_template import render_chat
 from api.errors import APIError
-from api.tools import ToolConfig, parse_tools
+from api.requests.tools import ToolConfig, parse_tools
 from engine.protocol import ChatTemplateArgs, EngineStats
 from engine.tokenizer import Tokenizer
 from tests.support.models import build_tokenizer

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import bad_request
-from api.options import MAX_REQUEST_ID
-from api.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_TOKEN_IDS
+from api.requests.options import MAX_REQUEST_ID
+from api.requests.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_TOKEN_IDS
 from engine.protocol import FLOAT32_MAX, REPETITION_PENALTY_RANGE
 
 logger = logging.getLogger("pagedserve.api")
@@ -148,7 +148,7 @@ FIELDS: tuple[Field, ...] = (
           note="only used by beam search, which is refused (vLLM ignores it without it)"),
     Field("include_reasoning", _t("boolean"), Status.NO_EFFECT, routes=frozenset({CHAT}),
           note="only used by a reasoning parser; none is configured (as vLLM without one)"),
-    # ---- parsed by their own modules: api/structured.py, api/tools.py, api/chat_template.py
+    # ---- parsed by their own modules: api/requests/structured.py, api/requests/tools.py, api/chat_template.py
     _owned("response_format", _t("object")),
     _owned("structured_outputs", _t("object")),
     _owned("guided_json", _any_of({"type": "string"}, {"type": "object"})),

@@ -2,7 +2,7 @@
 
 JSON is loose (bools are ints in Python, NaN parses, numbers can be huge), so each getter
 checks the exact type and range and raises a 400 that names the parameter. Which fields a
-route knows, refuses or ignores: api/fields.py.
+route knows, refuses or ignores: api/requests/fields.py.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import APIError, bad_request
-from api.params import (
+from api.requests.params import (
     INT64_MAX,
     check_int,
     check_unicode,
@@ -21,7 +21,7 @@ from api.params import (
     get_int,
     get_int_list,
 )
-from api.structured import parse_structured
+from api.requests.structured import parse_structured
 from engine.protocol import (
     MAX_LOGPROBS,  # noqa: F401 - one cap, shared with the engine (re-exported)
     InvalidParamError,

@@ -9,11 +9,11 @@ from typing import Any
 
 from api.chat_template import parse_template_fields
 from api.errors import bad_request
-from api.fields import CHAT, check_fields
-from api.options import Options, parse_options
-from api.params import check_unicode, get_bool, get_int, get_str
-from api.sampling import MAX_LOGPROBS, SamplingArgs, check_max_tokens, parse_sampling
-from api.tools import ToolConfig, parse_tools, structured_outputs
+from api.requests.fields import CHAT, check_fields
+from api.requests.options import Options, parse_options
+from api.requests.params import check_unicode, get_bool, get_int, get_str
+from api.requests.sampling import MAX_LOGPROBS, SamplingArgs, check_max_tokens, parse_sampling
+from api.requests.tools import ToolConfig, parse_tools, structured_outputs
 from engine.protocol import ChatTemplateArgs
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")

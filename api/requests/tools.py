@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from api.errors import bad_request
-from api.params import check_unicode_in, get_bool
-from api.structured import check_local_refs
+from api.requests.params import check_unicode_in, get_bool
+from api.requests.structured import check_local_refs
 from engine.protocol import StructuredOutputsParams
 
 MAX_TOOLS = 128  # OpenAI's own cap

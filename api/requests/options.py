@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import bad_request
-from api.params import check_unicode, get_bool, get_int, get_str
-from api.sampling import MAX_LOGPROBS
+from api.requests.params import check_unicode, get_bool, get_int, get_str
+from api.requests.sampling import MAX_LOGPROBS
 
 
 @dataclass(frozen=True, slots=True)

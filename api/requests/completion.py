@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import bad_request
-from api.fields import CMPL, MAX_PROMPTS, check_fields
-from api.options import Options, parse_options
-from api.params import INT64_MAX, check_int, get_bool, get_int, get_str
-from api.sampling import MAX_LOGPROBS, SamplingArgs, check_max_tokens, parse_sampling
+from api.requests.fields import CMPL, MAX_PROMPTS, check_fields
+from api.requests.options import Options, parse_options
+from api.requests.params import INT64_MAX, check_int, get_bool, get_int, get_str
+from api.requests.sampling import MAX_LOGPROBS, SamplingArgs, check_max_tokens, parse_sampling
 
 MAX_CHOICES = MAX_PROMPTS  # prompts x n in one request
 

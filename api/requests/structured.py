@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from api.errors import bad_request
-from api.params import check_unicode_in
+from api.requests.params import check_unicode_in
 from engine.protocol import StructuredOutputsParams
 
 # structured_outputs flags that cannot change what we produce: we have no fallback backend,
