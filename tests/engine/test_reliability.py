@@ -4,6 +4,7 @@ with requests still running. Faults come from tests/support/faults.py, which exi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -209,39 +211,31 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def test_sigterm_ends_the_process_while_a_grammar_compile_runs(tiny_llama: Path,
-                                                               tmp_path: Path) -> None:
-    """Issue 38: a compile that never ends (tests/support/endless_compile.py) kept the
-    process alive after SIGTERM (90 s and more). The drain waits for the compiling request
-    like a running one, then answers it 503; the process exits 0 within the shutdown
-    timeout (plus start-up of the signal's handling)."""
-    port, started = _free_port(), tmp_path / "compile-started"
-    cmd = [sys.executable, "-m", "tests.support.endless_compile", "serve", "--model",
-           str(tiny_llama), "--config", "tiny", "--port", str(port), "--num-threads", "1",
-           "--shutdown-timeout", "2"]
-    env = {**os.environ, "PYTHONPATH": str(REPO),
-           "PAGEDSERVE_TEST_COMPILE_STARTED": str(started)}
+@contextlib.contextmanager
+def stuck_server(module: str, model: Path, marker_env: str,
+                 marker: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`python -m <module> serve` (a tests/support module that makes something hang and
+    touches $<marker_env> when it does) on the tiny model with a 2 s shutdown timeout, until
+    /health is 200; killed at the end if it is still there."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", module, "serve", "--model", str(model), "--config", "tiny",
+           "--port", str(port), "--num-threads", "1", "--shutdown-timeout", "2"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), marker_env: str(marker)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_healthy(proc, port)
-        with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions",
-                                  json={"prompt": "hi", "guided_regex": "[0-9]+"}, timeout=60)
-            deadline = time.monotonic() + 30
-            while not started.exists():
-                assert time.monotonic() < deadline, "the compile never started"
-                time.sleep(0.05)
-            signalled = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            response = waiting.result(30)
-            assert proc.wait(30) == 0
-        assert time.monotonic() - signalled < 2 + 8, time.monotonic() - signalled
-        assert response.status_code == 503, response.text
-        assert response.json()["error"]["code"] == "server_shutting_down"
+        yield proc, port
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_for(marker: Path, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.05)
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], port: int) -> None:
@@ -257,39 +251,49 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int) -> None:
     raise AssertionError("the server did not become healthy")
 
 
+def test_sigterm_ends_the_process_while_a_grammar_compile_runs(tiny_llama: Path,
+                                                               tmp_path: Path) -> None:
+    """Issue 38: a compile that never ends (tests/support/endless_compile.py) kept the
+    process alive after SIGTERM (90 s and more). The drain waits for the compiling request
+    like a running one, then answers it 503; the process exits 0 within the shutdown
+    timeout (plus start-up of the signal's handling)."""
+    started = tmp_path / "compile-started"
+    with (stuck_server("tests.support.endless_compile", tiny_llama,
+                       "PAGEDSERVE_TEST_COMPILE_STARTED", started) as (proc, port),
+          ThreadPoolExecutor(1) as pool):
+        waiting = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions",
+                              json={"prompt": "hi", "guided_regex": "[0-9]+"}, timeout=60)
+        _wait_for(started, "the compile")
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        response = waiting.result(30)
+        assert proc.wait(30) == 0
+    assert time.monotonic() - signalled < 2 + 8, time.monotonic() - signalled
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "server_shutting_down"
+
+
 def test_sigterm_ends_the_process_within_the_grace_while_a_step_hangs(
         tiny_llama: Path, tmp_path: Path) -> None:
     """Issue 31: a hung step kept the process ~55 s after SIGTERM (a 25 s drain, then a 30 s
     wait for the step), past Kubernetes' 30 s grace. Now: the drain, a short wait, and an exit
     with status 1 (the step cannot be interrupted); the stuck request is answered."""
-    port, hung = _free_port(), tmp_path / "step-hung"
-    cmd = [sys.executable, "-m", "tests.support.hung_step", "serve", "--model",
-           str(tiny_llama), "--config", "tiny", "--port", str(port), "--num-threads", "1",
-           "--shutdown-timeout", "2"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_TEST_STEP_HUNG": str(hung)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    try:
-        _wait_healthy(proc, port)
-        with ThreadPoolExecutor(1) as pool:
-            stuck = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions",
-                                json={"prompt": "hi", "seed": 7777}, timeout=60)
-            deadline = time.monotonic() + 30
-            while not hung.exists():
-                assert time.monotonic() < deadline, "the step never hung"
-                time.sleep(0.05)
-            signalled = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(30) == 1
-            elapsed = time.monotonic() - signalled
-            try:
-                answer: int | None = stuck.result(10).status_code
-            except httpx.HTTPError:
-                answer = None  # closed with the process: an answer too, not a hang
-        assert elapsed < 2 + 3 + 1 + 4, elapsed  # drain, shutdown wait, hung grace, margin
-        assert answer in (500, 503, None), answer
+    hung = tmp_path / "step-hung"
+    with (stuck_server("tests.support.hung_step", tiny_llama, "PAGEDSERVE_TEST_STEP_HUNG",
+                       hung) as (proc, port),
+          ThreadPoolExecutor(1) as pool):
+        stuck = pool.submit(httpx.post, f"http://127.0.0.1:{port}/v1/completions",
+                            json={"prompt": "hi", "seed": 7777}, timeout=60)
+        _wait_for(hung, "the hung step")
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 1
+        elapsed = time.monotonic() - signalled
+        try:
+            answer: int | None = stuck.result(10).status_code
+        except httpx.HTTPError:
+            answer = None  # closed with the process: an answer too, not a hang
         log = proc.stdout.read().decode() if proc.stdout else ""
-        assert "it is hung; exiting now" in log, log[-2000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    assert elapsed < 2 + 3 + 1 + 4, elapsed  # drain, shutdown wait, hung grace, margin
+    assert answer in (500, 503, None), answer
+    assert "it is hung; exiting now" in log, log[-2000:]
