@@ -3,9 +3,9 @@
 xgrammar's compile is C++ that nothing can interrupt, and some specs take minutes and
 gigabytes (a 5,000-property schema ran past 5 minutes on the tiny test vocabulary; tried as an
 attacker, a pending compile held a core for over ten minutes while the server's RSS grew from
-2.6 to 7.3 GB). So each compile thread (engine/structured_output/manager.py's pool) owns a worker process: it
-sends the spec, waits at most COMPILE_TIMEOUT_S, and on a timeout kills the worker (the next
-compile starts a new one); the worker's address space may grow by COMPILE_MEMORY_BYTES at
+2.6 to 7.3 GB). So each compile thread (engine/structured_output/manager.py's pool) owns a
+worker process: it sends the spec, waits at most COMPILE_TIMEOUT_S, and on a timeout kills
+the worker (the next compile starts a new one); the worker's address space may grow by COMPILE_MEMORY_BYTES at
 most, past which the compile fails (or the worker dies) instead of the server. Either way the
 request gets a 400 naming its field. The compiled grammar comes back serialized
 (CompiledGrammar.serialize_json) and is rebuilt against the parent's TokenizerInfo.
