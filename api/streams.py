@@ -83,20 +83,9 @@ class MergedStream:
     async def _unless_failed(self, submits: asyncio.Future[list[T]]) -> list[T]:
         """The submits' results, unless fail() comes first: then they are cancelled (which
         aborts their engine requests) and the failure is raised."""
-        failed = asyncio.ensure_future(self._on_fail.wait())
-        waits: set[asyncio.Future[Any]] = {submits, failed}
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            submits.cancel()
-            raise
-        finally:
-            failed.cancel()
-        if submits.done():
-            return submits.result()
-        submits.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await submits
+        done, results = await _first_or_cancel(submits, self._on_fail.wait())
+        if done and results is not None:
+            return results
         assert self._failed is not None
         raise self._failed
 
@@ -186,21 +175,28 @@ async def run_unless_disconnected(receive: Receive,
     """Run `work`; if the client disconnects first, cancel it and return None.
 
     Called after the body was read, so the next ASGI message can only be http.disconnect."""
+    _, result = await _first_or_cancel(work, _wait_disconnect(receive))
+    return result
+
+
+async def _first_or_cancel(work: Awaitable[T], interrupt: Awaitable[Any]) -> tuple[bool, T | None]:
+    """Run `work` unless `interrupt` completes first, in which case `work` is cancelled (and
+    awaited). -> (whether work finished, its result). Cancelling the caller cancels both."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    other = asyncio.ensure_future(interrupt)
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, other}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         task.cancel()
-        watcher.cancel()
+        other.cancel()
         raise
-    watcher.cancel()
+    other.cancel()
     if task.done():
-        return task.result()
+        return True, task.result()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    return None
+    return False, None
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -24,9 +24,16 @@ def may_stop(seq: Sequence) -> bool:
     return seq.num_output_tokens >= seq.params.min_tokens
 
 
+def is_stop_token(params: SamplingParams, token_id: int,
+                  eos_token_ids: Collection[int]) -> bool:
+    """Whether `token_id` ends a sequence (once it may stop): one of its stop_token_ids, or
+    EOS unless EOS is ignored. Membership tests only: this runs for every sampled token."""
+    return token_id in params.stop_token_ids or (
+        not params.ignore_eos and token_id in eos_token_ids)
+
+
 def stop_tokens(params: SamplingParams, eos_token_ids: Collection[int]) -> set[int]:
-    """The tokens that end a sequence (once it may stop): its stop_token_ids, and EOS unless
-    EOS is ignored. Before min_tokens the sampler bans exactly these."""
+    """The tokens is_stop_token accepts, which the sampler bans before min_tokens."""
     ids = set(params.stop_token_ids)
     return ids if params.ignore_eos else ids.union(eos_token_ids)
 
@@ -35,7 +42,7 @@ def after_token(seq: Sequence, token_id: int, eos_token_ids: Collection[int],
                 max_model_len: int) -> tuple[SequenceStatus, int | None] | None:
     """How `seq` finishes now that `token_id` is its last token (status, stop reason), or
     None while it goes on."""
-    if may_stop(seq) and token_id in stop_tokens(seq.params, eos_token_ids):
+    if may_stop(seq) and is_stop_token(seq.params, token_id, eos_token_ids):
         return SequenceStatus.FINISHED_STOPPED, token_id
     if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
         return SequenceStatus.FINISHED_LENGTH, None

@@ -235,9 +235,8 @@ def check_fields(body: dict[str, Any], route: str) -> None:
             raise bad_request(f"{name} is not supported by this server ({spec.note})",
                               param=name)
         # Fields parsed elsewhere (or not at all) still get their JSON type checked here.
-        kinds = json_types(spec.schema)
-        if spec.status in (Status.NO_EFFECT, Status.OWNED) and not _has_type(value, kinds):
-            raise bad_request(f"{name} must be of type {' or '.join(kinds)}", param=name)
+        if spec.status in (Status.NO_EFFECT, Status.OWNED):
+            _check_type(name, value, spec.schema)
     warn_unknown(body, known, _PATHS[route])
 
 
@@ -248,10 +247,16 @@ def check_field_types(body: dict[str, Any], schemas: dict[str, dict[str, Any]],
     chat-template fields beside a prompt, is still held to its documented type); one
     warning line for the unknown ones."""
     for name, value in body.items():
-        schema = schemas.get(name)
-        if schema is not None and not _has_type(value, kinds := json_types(schema)):
-            raise bad_request(f"{name} must be of type {' or '.join(kinds)}", param=name)
+        if name in schemas:
+            _check_type(name, value, schemas[name])
     warn_unknown(body, schemas, path)
+
+
+def _check_type(name: str, value: Any, schema: dict[str, Any]) -> None:
+    """A 400 naming the field when its value is not of a JSON type its schema allows."""
+    kinds = json_types(schema)
+    if not _has_type(value, kinds):
+        raise bad_request(f"{name} must be of type {' or '.join(kinds)}", param=name)
 
 
 def is_inert(spec: Field, value: Any) -> bool:

@@ -131,8 +131,7 @@ class AsyncEngine(ClientSide):
         self._loaded.set()  # a start() still waiting for a load that never came
         self._table.fail_all(EngineDeadError("server shutting down"))
         self._stopped.set()  # also when the loop never ran: no more tokenizer work either
-        self._tok_pool.shutdown(wait=False, cancel_futures=True)
-        self._bulk_pool.shutdown(wait=False, cancel_futures=True)
+        self._stop_tokenizers()
 
     # ---- requests (event-loop side) -------------------------------------------------------
 

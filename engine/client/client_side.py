@@ -129,6 +129,11 @@ class ClientSide:
             return await loop.run_in_executor(self._bulk_pool, work, self._bulk_tokenizer)
         return await loop.run_in_executor(self._tok_pool, work, tok)
 
+    def _stop_tokenizers(self) -> None:
+        """At shutdown: queued tokenizer work is cancelled on both lanes."""
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+        self._bulk_pool.shutdown(wait=False, cancel_futures=True)
+
     def _set_tokenizers(self, hf_copy: Callable[[], Any], eos_token_ids: Any) -> None:
         """The two lanes' tokenizers: one copy each, made here, before any lane runs (a
         tokenizer is not to be copied while another thread encodes with it)."""

@@ -123,8 +123,7 @@ class EngineCoreClient(ClientSide):
         self._fail_all(EngineDeadError("server shutting down"))
         self._stopped.set()
         self._stop_requested.set()
-        self._tok_pool.shutdown(wait=False, cancel_futures=True)
-        self._bulk_pool.shutdown(wait=False, cancel_futures=True)
+        self._stop_tokenizers()
 
     def _reap(self) -> None:
         """Wait for the core to exit; terminate, then kill, one that does not."""

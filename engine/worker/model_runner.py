@@ -345,13 +345,15 @@ class ModelRunner:
             tokens, logprobs = sample(rows, step.sampling)
         except Exception as e:  # find whose inputs it was, else re-raise
             raise self._blame(rows, step.sample_ids, batch, masks, e) from e
-        bad = [sid for sid, t in zip(step.sample_ids, tokens) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestFault(bad, "sampled a token id outside the vocabulary")
+        bad = []
         for seq_id, token, lp in zip(step.sample_ids, tokens, logprobs, strict=True):
+            if not 0 <= token < self.vocab_size:
+                bad.append(seq_id)
             output.sampled_token_ids[seq_id] = token
             if lp is not None:
                 output.logprobs[seq_id] = lp
+        if bad:  # the step's output is dropped with it: nothing was advanced yet
+            raise RequestFault(bad, "sampled a token id outside the vocabulary")
 
     def _blame(self, rows: torch.Tensor, seq_ids: list[str], batch: SchedulerOutput,
                masks: GrammarMasks | None, error: Exception) -> Exception:

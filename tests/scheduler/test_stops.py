@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler import SchedulerConfig, SequenceStatus
+from scheduler.sampling_params import SamplingParams
 from scheduler.sequence import Sequence
 from tests.support.schedsim import assert_all_free, make_scheduler, make_seq
 
@@ -110,3 +111,16 @@ def test_stop_string_on_a_sequence_the_scheduler_never_held_is_refused() -> None
     with pytest.raises(ValueError, match="needs a sequence of this scheduler"):
         sched.stop_on_string(stranger, "###")
     assert stranger.status == SequenceStatus.WAITING
+
+
+def test_stop_tokens_are_the_ones_is_stop_token_accepts() -> None:
+    """scheduler/stop_policy.py: the set the sampler bans before min_tokens and the test the
+    scheduler applies to each sampled token agree, with and without ignore_eos."""
+    from scheduler.stop_policy import is_stop_token, stop_tokens
+
+    eos = {1, 2}
+    for params in (SamplingParams(stop_token_ids=(7,)),
+                   SamplingParams(stop_token_ids=(7,), ignore_eos=True)):
+        banned = stop_tokens(params, eos)
+        assert banned == {t for t in range(10) if is_stop_token(params, t, eos)}
+    assert stop_tokens(SamplingParams(stop_token_ids=(7,), ignore_eos=True), eos) == {7}
