@@ -13,7 +13,7 @@ from api.chat_template import render_chat
 from api.chat_tools import ToolCalls, finish_reason, make_parser, stream_delta
 from api.errors import CLIENT_CLOSED
 from api.requests.chat import ChatRequest, parse_chat
-from api.requests.options import truncate
+from api.requests.options import fit_factor, truncate
 from api.requests.params import read_json
 from api.requests.sampling import build_params, check_context
 from api.responses import (
@@ -42,10 +42,8 @@ async def create_chat_completion(request: Request) -> Response:
     app.check_model(req.model)
     app.check_admitting()
     opts = req.options
-    # A prompt to be truncated may be longer than the context: no length check first.
-    limits = app.limits() if opts.truncate_prompt_tokens is None else None
     prompt = await render_chat(app.engine, req.messages, req.template, req.tools,
-                               opts.add_special_tokens, limits)
+                               opts.add_special_tokens, app.limits(), fit_factor(opts))
     prompt = truncate(prompt, opts, app.limits().max_model_len, req.sampling.max_tokens)
     shown_id, engine_id = request_ids("chatcmpl", opts.request_id)
     deadline = app.deadline(arrival, req.sampling.timeout)

@@ -60,12 +60,14 @@ def parse_template_fields(body: dict[str, Any], trusted: bool) -> ChatTemplateAr
 async def render_chat(engine: EngineClient, messages: list[dict[str, Any]],
                       args: ChatTemplateArgs, tools: ToolConfig | None = None,
                       add_special_tokens: bool = False,
-                      limits: EngineLimits | None = None) -> list[int]:
+                      limits: EngineLimits | None = None, fit_factor: int = 1) -> list[int]:
     """The chat template's text, tokenized; by default without extra special tokens (the
     template has its own BOS where the model wants one). `messages` were validated by
-    parse_messages; given the limits, a text too long to ever fit is refused untokenized."""
+    parse_messages; given the limits, a text too long to ever fit (fit_factor times over)
+    is refused untokenized."""
     text = await _render_tools(engine, messages, args, tools)
-    return await tokenize_text(engine, text, add_special_tokens, "messages", limits)
+    return await tokenize_text(engine, text, add_special_tokens, "messages", limits,
+                               fit_factor)
 
 
 async def _render_tools(engine: EngineClient, messages: list[dict[str, Any]],

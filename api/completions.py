@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from api.errors import CLIENT_CLOSED, bad_request, from_engine_error
 from api.requests.completion import CompletionRequest, Prompt, parse_completion
-from api.requests.options import truncate
+from api.requests.options import fit_factor, truncate
 from api.requests.params import read_json
 from api.requests.sampling import build_params, check_context
 from api.responses import (
@@ -77,9 +77,8 @@ async def _prepare(app: AppState, prompt: Prompt, req: CompletionRequest) -> _Gr
     """The prompt's tokens (truncated when asked) and, with echo, the text they spell."""
     opts = req.options
     if isinstance(prompt, str):
-        # A prompt to be truncated may be longer than the context: no length check first.
-        limits = app.limits() if opts.truncate_prompt_tokens is None else None
-        ids = await tokenize_text(app.engine, prompt, opts.add_special_tokens, "prompt", limits)
+        ids = await tokenize_text(app.engine, prompt, opts.add_special_tokens, "prompt",
+                                  app.limits(), fit_factor(opts))
     else:
         ids = prompt
     kept = truncate(ids, opts, app.limits().max_model_len, req.sampling.max_tokens)

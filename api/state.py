@@ -91,14 +91,16 @@ def now() -> int:
 
 
 async def tokenize_text(engine: EngineClient, text: str, add_special_tokens: bool,
-                        param: str, limits: EngineLimits | None = None) -> list[int]:
+                        param: str, limits: EngineLimits | None = None,
+                        fit_factor: int = 1) -> list[int]:
     """engine.tokenize (off the event loop). A text that is not valid Unicode (a lone UTF-16
     surrogate, which JSON allows) is a 400 naming where it is; anything else the tokenizer
     raises on is a 400 too, whose message does not echo the tokenizer's internals. Given
-    the limits, a text too long to ever fit is refused before it is tokenized."""
+    the limits, a text too long to ever fit (fit_factor times over, for a prompt that will be
+    truncated) is refused before it is tokenized."""
     check_unicode(text, param)
     if limits is not None:
-        check_text_fits(text, limits, param)
+        check_text_fits(text, limits, param, fit_factor)
     try:
         return await engine.tokenize(text, add_special_tokens=add_special_tokens)
     except EngineDeadError as e:
@@ -108,14 +110,19 @@ async def tokenize_text(engine: EngineClient, text: str, add_special_tokens: boo
         raise bad_request(f"{param} cannot be tokenized", param=param) from None
 
 
-def check_text_fits(text: str, limits: EngineLimits, param: str) -> None:
-    """A 400 for a text that tokenizes to more than max_prompt_len tokens however it splits
-    (every token covers at most so many bytes): no tokenizer time is spent on it."""
-    cap = limits.max_prompt_bytes
-    if cap is None or len(text) * 4 <= cap:  # 4 bytes per character at most: no encode
+def check_text_fits(text: str, limits: EngineLimits, param: str, factor: int = 1) -> None:
+    """A 400 for a text that tokenizes to more than `factor` times max_model_len tokens
+    however it splits (every token covers at most so many bytes): no tokenizer time is spent
+    on it."""
+    if limits.max_prompt_bytes is None:
+        return
+    cap = limits.max_prompt_bytes * factor
+    if len(text) * 4 <= cap:  # 4 bytes per character at most: no encode
         return
     size = len(text.encode("utf-8", "surrogatepass"))
-    if size > cap:
-        raise APIError(400, f"{param} is {size} bytes long, more than any text of this "
-                       f"model's maximum context length ({limits.max_model_len} tokens) can "
-                       "be", param=param, code="context_length_exceeded")
+    if size <= cap:
+        return
+    times = "" if factor == 1 else f"{factor} times "
+    raise APIError(400, f"{param} is {size} bytes long, more than {times}any text of this "
+                   f"model's maximum context length ({limits.max_model_len} tokens) can be",
+                   param=param, code="context_length_exceeded")

@@ -17,6 +17,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from engine.client.stream_table import StreamTable
 from engine.protocol import (
     ChatTemplateArgs,
     EngineDeadError,
@@ -42,7 +43,8 @@ class ReplicaClient:
         self._board = board  # ActorHandle of the ReplicaBoard
         self._reports: list[ReplicaReport] = []
         self._poller: asyncio.Task[None] | None = None
-        self._feeds: dict[str, tuple[Any, asyncio.Task[None], RequestStream]] = {}
+        self._table = StreamTable(self._abort)  # the open requests, by id
+        self._calls: dict[str, asyncio.Task[None]] = {}  # each request's relay, by id
         self._closed = False
 
     # ---- lifecycle and state --------------------------------------------------------------
@@ -69,8 +71,9 @@ class ReplicaClient:
         self._closed = True
         if self._poller is not None:
             self._poller.cancel()
-        for request_id in list(self._feeds):
-            self._cancel(request_id, EngineDeadError("server shutting down"))
+        self._table.fail_all(EngineDeadError("server shutting down"))
+        for call in list(self._calls.values()):
+            call.cancel()
 
     def reports(self) -> list[ReplicaReport]:
         """Replicas that reported within STALE_AFTER_S, by id."""
@@ -96,12 +99,34 @@ class ReplicaClient:
             raise EngineDeadError("no engine replica is ready")
         timeout = None if deadline is None else deadline - time.monotonic()
         req = GenerateRequest(request_id, prompt, params, priority, timeout)
-        gen, first = await self._admit(req)
-        if isinstance(first, Refusal):
-            raise first.error()
-        stream = RequestStream(request_id, self._abort)
-        self._feeds[request_id] = (gen, asyncio.create_task(self._feed(gen, stream)), stream)
+        stream, admitted = self._table.open(asyncio.get_running_loop(), request_id)
+        self._calls[request_id] = asyncio.create_task(self._relay(req))
+        try:
+            await admitted
+        except BaseException:  # refused, or the client left while waiting: cancel the call
+            self._abort(request_id)
+            raise
         return stream
+
+    async def _relay(self, req: GenerateRequest) -> None:
+        """Send the request, then relay its replica's stream into the table, until the final
+        delta or a failure (which ends this request only)."""
+        rid = req.request_id
+        try:
+            gen, first = await self._admit(req)
+            if isinstance(first, Refusal):
+                self._table.admit(rid, first.error())
+                return
+            self._table.admit(rid, None)
+            await self._feed(rid, gen)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - its replica died or the send failed
+            logger.warning("request %s lost its replica: %s", rid, brief(e))
+            self._table.fail(rid, e if isinstance(e, EngineDeadError) else EngineDeadError(
+                f"the replica serving this request failed: {brief(e)}"))
+        finally:
+            self._calls.pop(rid, None)
 
     async def _admit(self, req: GenerateRequest) -> tuple[Any, Any]:
         """Send the request; (its response stream, Admitted or Refusal)."""
@@ -121,41 +146,30 @@ class ReplicaClient:
                 raise EngineDeadError("the replica ended the request unanswered") from None
         raise AssertionError("unreachable")
 
-    async def _feed(self, gen: Any, stream: RequestStream) -> None:
-        """Replica stream -> the API's RequestStream, until the final delta or a failure."""
+    async def _feed(self, rid: str, gen: Any) -> None:
+        """Replica stream -> the table; cancelling this (the client left) cancels the call,
+        which aborts the request in its replica (engine/replicas/deployment.py)."""
         try:
             async for item in gen:
                 if isinstance(item, StreamFailed):
-                    stream.put(EngineDeadError(item.message))
+                    self._table.fail(rid, EngineDeadError(item.message))
                     return
                 assert isinstance(item, RequestOutput)
-                stream.put(item)
+                self._table.deliver((item,))
                 if item.finished:
                     return
-            stream.put(EngineDeadError("the replica ended the stream early"))
+            self._table.fail(rid, EngineDeadError("the replica ended the stream early"))
         except asyncio.CancelledError:
+            gen.cancel()
             raise
-        except Exception as e:  # noqa: BLE001 - its replica died: this request only
-            logger.warning("request %s lost its replica: %s", stream.request_id, brief(e))
-            stream.put(EngineDeadError(f"the replica serving this request failed: {brief(e)}"))
-        finally:
-            self._feeds.pop(stream.request_id, None)
 
     def _abort(self, request_id: str) -> None:
-        """The API closed the stream early (client gone): cancel the call, which aborts the
-        request in its replica (engine/replicas/deployment.py)."""
-        self._cancel(request_id, None)
-
-    def _cancel(self, request_id: str, error: BaseException | None) -> None:
-        """Stop relaying a request and cancel its call; `error` ends its stream (shutdown)."""
-        entry = self._feeds.pop(request_id, None)
-        if entry is None:
-            return
-        gen, task, stream = entry
-        task.cancel()
-        gen.cancel()
-        if error is not None:
-            stream.put(error)
+        """The API closed the stream early, or a submit was refused or cancelled: forget the
+        request and cancel its call."""
+        self._table.forget(request_id)
+        call = self._calls.pop(request_id, None)
+        if call is not None:
+            call.cancel()
 
     # ---- tokenizer calls (any replica answers alike) -------------------------------------
 

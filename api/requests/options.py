@@ -39,6 +39,9 @@ def parse_options(body: dict[str, Any], stream: bool, add_special_tokens: bool) 
 
 
 MAX_REQUEST_ID = 256  # characters: it is echoed in every chunk of the response
+# A prompt to be truncated may be longer than the context, but not more than this many
+# contexts' worth of text (then it is a 400 before any tokenizer time is spent on it).
+TRUNCATED_TEXT_FACTOR = 4
 
 
 def parse_request_id(body: dict[str, Any]) -> str | None:
@@ -87,6 +90,13 @@ def parse_stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool
                               param="stream_options")
         flags.append(bool(value))
     return flags[0], flags[1]
+
+
+def fit_factor(options: Options) -> int:
+    """How many contexts' worth of text a prompt may be before it is refused untokenized: 1,
+    or TRUNCATED_TEXT_FACTOR for a prompt that will be truncated (it may be longer than the
+    context, but a text many contexts long would only hold the tokenizer)."""
+    return 1 if options.truncate_prompt_tokens is None else TRUNCATED_TEXT_FACTOR
 
 
 def truncate(ids: list[int], options: Options, max_model_len: int,

@@ -1,5 +1,6 @@
 """StreamTable: a client's open requests on the event-loop side, written once for the thread
-client (AsyncEngine) and the process client (EngineCoreClient): each request's admission
+client (AsyncEngine), the process client (EngineCoreClient) and the Ray replica client
+(api/replicas/client.py): each request's admission
 (pending until the engine takes or refuses it) and its RequestStream, by request id; the
 routing of a step's deltas to their streams; and failing everything when the engine ends.
 Event-loop thread only.
@@ -59,6 +60,16 @@ class StreamTable:
             stream.put(o)
             if o.finished:
                 del self._streams[o.request_id]
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """One request ends with `error` (the replica serving it died): its admission if the
+        engine has not answered yet, else its stream."""
+        admitted = self._pending.pop(request_id, None)
+        if admitted is not None and not admitted.done():
+            admitted.set_exception(error)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(error)
 
     def fail_all(self, error: BaseException) -> None:
         """Every waiting admission and open stream gets `error` (the engine has ended)."""

@@ -15,6 +15,7 @@ from starlette.testclient import TestClient
 
 from api import app as app_module
 from api.requests.completion import MAX_CHOICES, MAX_PROMPTS
+from api.requests.options import TRUNCATED_TEXT_FACTOR
 from api.requests.sampling import MAX_LOGPROBS, MAX_N
 from api.state import DEFAULT_MAX_BODY_BYTES
 from tests.support.apitools import serve
@@ -385,3 +386,33 @@ def test_prompt_text_too_long_to_fit_is_refused_before_tokenizing() -> None:
         r = client.post("/v1/completions", json={"prompt": "x" * 512})
         assert assert_error(r, 400, "prompt")["code"] == "context_length_exceeded"
         assert engine.tokenized == [512]
+
+
+def test_text_to_truncate_is_refused_past_its_bound_before_tokenizing() -> None:
+    """issue 31: truncate_prompt_tokens skipped the size gate. A prompt to be truncated may
+    exceed the context, up to TRUNCATED_TEXT_FACTOR contexts' worth of text."""
+    class Counting(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokenized: list[int] = []
+
+        async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            self.tokenized.append(len(text))
+            return await super().tokenize(text, add_special_tokens)
+
+    engine = Counting()  # max_prompt_bytes 4 * 128: the bound is 4 * 512 bytes
+    bound = TRUNCATED_TEXT_FACTOR * 512
+    with serve(engine) as client:
+        for path, body, param in (
+                ("/v1/completions", {"prompt": "x" * (bound + 1)}, "prompt"),
+                ("/v1/chat/completions",
+                 {"messages": [{"role": "user", "content": "é" * (bound // 2)}]}, "messages")):
+            r = client.post(path, json={**body, "truncate_prompt_tokens": 8, "max_tokens": 2})
+            err = assert_error(r, 400, param)
+            assert err["code"] == "context_length_exceeded" and "4 times" in err["message"]
+        assert engine.tokenized == []
+        r = client.post("/v1/completions", json={"prompt": "x" * bound, "max_tokens": 2,
+                                                 "truncate_prompt_tokens": 8})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 8
+        assert engine.tokenized == [bound]
