@@ -10,7 +10,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from api.chat_template import render_chat
-from api.chat_tools import ToolCalls, finish_reason, make_parser, stream_delta
 from api.errors import CLIENT_CLOSED
 from api.requests.chat import ChatRequest, parse_chat
 from api.requests.options import fit_factor, truncate
@@ -29,6 +28,7 @@ from api.responses import (
 from api.sse import sse_response
 from api.state import AppState, now, request_ids
 from api.streams import Job, MergedStream, run_unless_disconnected, start_stream
+from api.tools.answers import ToolCalls, finish_reason, make_parser, stream_delta
 from engine.outputs import RequestOutput
 
 CHUNK = "chat.completion.chunk"

@@ -5,7 +5,7 @@ tool_choice, as in vLLM:
 - "none": no call is parsed; the tools are still rendered into the prompt (vLLM's default
   since v0.10; it has --exclude-tools-when-tool-choice-none to drop them).
 - "auto" (the default when tools are given): the output is parsed for Hermes-style
-  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks (api/tool_parser.py).
+  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks (api/tools/parser.py).
 - "required": the output is constrained to a JSON array of {"name", "parameters"} objects,
   one per call (anyOf over the tools; at most one item when parallel_tool_calls is false).
 - {"type": "function", "function": {"name": N}}: the output is constrained to N's
@@ -170,7 +170,7 @@ def structured_outputs(config: ToolConfig | None) -> StructuredOutputsParams | N
 
 
 # The prompt used when the chat template has no tools section (docs/tool_calling.md): the
-# Hermes format, which api/tool_parser.py reads back.
+# Hermes format, which api/tools/parser.py reads back.
 TOOLS_PROMPT = """You can call functions to help with the user's request. The functions \
 are described as JSON Schemas inside <tools></tools>:
 <tools>

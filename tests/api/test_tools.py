@@ -14,7 +14,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from api.requests.tools import MAX_TOOLS, TOOLS_PROMPT, ToolConfig, forced_schema
-from api.tool_parser import CallDelta, HermesParser, Parsed
+from api.tools.parser import CallDelta, HermesParser, Parsed
 from tests.support.apitools import serve, sse_json
 from tests.support.errors import assert_error
 from tests.support.fake_engine import FakeEngine

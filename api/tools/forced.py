@@ -1,5 +1,5 @@
 """Reading the output of a forced tool call (tool_choice "required" or a named function),
-which the grammar built by api/requests/tools.py has shaped; same interface as tool_parser.py.
+which the grammar built by api/requests/tools.py has shaped; same interface as parser.py.
 
 - Named function: the output is the arguments object itself, so every text delta is an
   arguments fragment of call 0, as vLLM streams it.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from api.tool_parser import CallDelta, Parsed, new_call_id
+from api.tools.parser import CallDelta, Parsed, new_call_id
 
 
 @dataclass

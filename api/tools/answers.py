@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.forced_calls import NamedParser, RequiredParser
 from api.requests.tools import ToolConfig
-from api.tool_parser import CallDelta, HermesParser, OutputParser, Parsed
+from api.tools.forced import NamedParser, RequiredParser
+from api.tools.parser import CallDelta, HermesParser, OutputParser, Parsed
 
 
 def make_parser(config: ToolConfig | None) -> OutputParser | None:
