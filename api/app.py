@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.chat import create_chat_completion
 from api.completions import create_completion
 from api.errors import EXCEPTION_HANDLERS, APIError
+from api.live import ui_routes
 from api.metrics import DEFAULT_PREFIX, ServerMetrics
 from api.openapi import openapi
 from api.routes import detokenize, health, list_models, metrics, tokenize
@@ -35,8 +36,11 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                request_timeout: float | None = None,
                trust_request_chat_template: bool = False,
-               metrics_prefix: str = DEFAULT_PREFIX) -> Starlette:
-    routes = [
+               metrics_prefix: str = DEFAULT_PREFIX,
+               enable_ui: bool = True) -> Starlette:
+    """`enable_ui`: serve the playground (/), the live view (/dashboard) and its event stream
+    (/v1/engine/events); --disable-ui turns them off."""
+    routes: list[BaseRoute] = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
@@ -46,6 +50,8 @@ def create_app(engine: EngineClient, *, served_model_name: str | None = None,
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
+    if enable_ui:
+        routes += ui_routes()
     middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers=EXCEPTION_HANDLERS)  # type: ignore[arg-type]
@@ -79,17 +85,22 @@ async def _start(engine: EngineClient) -> None:
 
 class APIKeyMiddleware:
     """With --api-key, every route needs `Authorization: Bearer KEY` except /health and
-    /metrics (open for probes and scrapers). An allowlist, so a new route is protected by
-    default; the key is compared in constant time."""
+    /metrics (open for probes and scrapers) and the built-in pages' static files (they hold
+    no server data: what they show comes from guarded routes, see api/live.py). An
+    allowlist, so a new route is protected by default; the key is compared in constant
+    time."""
 
-    OPEN = frozenset({"/health", "/metrics"})
+    OPEN = frozenset({"/health", "/metrics", "/", "/dashboard"})
+    OPEN_PREFIX = "/ui/"
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in self.OPEN \
+                and not path.startswith(self.OPEN_PREFIX):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
                 error = APIError(401, "Incorrect or missing API key (Authorization: Bearer).",

@@ -81,8 +81,11 @@ def _add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on every route but /health and "
-                   "/metrics (default: none)")
+                   help="require `Authorization: Bearer KEY` on every route but /health, "
+                   "/metrics and the built-in pages' static files (default: none)")
+    p.add_argument("--disable-ui", action="store_true",
+                   help="do not serve the playground (/), the live view (/dashboard) or its "
+                   "event stream (/v1/engine/events)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="logging verbosity of the server and engine (default: info)")
@@ -247,7 +250,7 @@ def serve(args: argparse.Namespace) -> None:
     app = create_app(engine, served_model_name=engine.model_name, api_key=args.api_key,
                      max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout,
                      trust_request_chat_template=args.trust_request_chat_template,
-                     metrics_prefix=args.metrics_prefix)
+                     metrics_prefix=args.metrics_prefix, enable_ui=not args.disable_ui)
     logger.info("serving %s at http://%s:%d/v1 (loading the model in the background; "
                 "/health answers 200 once ready)", engine.model_name, args.host, args.port)
     http = uvicorn_config(app, args.host, args.port, args.log_level, connection_limits(args))

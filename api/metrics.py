@@ -159,6 +159,7 @@ class ServerMetrics:
         # engine_dead | shutting_down | queue_timeout (admitted, deadline passed in the queue)
         self.rejections = Counter(p + "admission_rejections", "Requests refused at admission.",
                                   [LABEL, "reason"], registry=r)
+        self._rejected: dict[str, int] = {}
         h = self._histogram
         self.ttft = h(p + "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = h(p + "inter_token_latency_seconds", "Time between output deltas.",
@@ -203,6 +204,11 @@ class ServerMetrics:
 
     def reject(self, reason: str) -> None:
         self.rejections.labels(self.model_name, reason).inc()
+        self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
+    def rejected_by_reason(self) -> dict[str, int]:
+        """Refusals at admission so far, by reason (the live view's count of 429s and 503s)."""
+        return dict(self._rejected)
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from api import openapi_schemas as s
+from api.live import DEFAULT_INTERVAL_MS, MAX_EVENTS, MAX_INTERVAL_MS, MIN_INTERVAL_MS
 from api.requests.fields import CHAT_FIELDS, COMPLETION_FIELDS, Field, Status
 from api.routes import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
@@ -110,8 +111,26 @@ def build_openapi(title: str, version: str) -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
     for method, path, summary, fields, required, ok in ROUTES:
         paths.setdefault(path, {})[method] = _operation(path, summary, fields, required, ok)
+    paths["/v1/engine/events"] = {"get": _engine_events()}
     return {"openapi": "3.1.0", "info": {"title": title, "version": version}, "paths": paths,
-            "components": {"schemas": {"Error": s.ERROR}}}
+            "components": {"schemas": {"Error": s.ERROR, "EngineEvent": s.ENGINE_EVENT}}}
+
+
+def _engine_events() -> dict[str, Any]:
+    """The live view's event stream (api/live.py): its query parameters and events."""
+    op = _operation("/v1/engine/events", "The live view's server-sent events: an `engine` "
+                    "event per look at the engine (an `error` event if it stops)", None, (),
+                    {"text/event-stream": {"schema": s.ENGINE_EVENTS_STREAM}})
+    op["parameters"] = [
+        {"name": "interval_ms", "in": "query", "required": False,
+         "description": "milliseconds between looks",
+         "schema": {"type": "integer", "minimum": MIN_INTERVAL_MS,
+                    "maximum": MAX_INTERVAL_MS, "default": DEFAULT_INTERVAL_MS}},
+        {"name": "max_events", "in": "query", "required": False,
+         "description": "end the stream after this many events (default: until the client "
+                        "leaves or the server shuts down)",
+         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_EVENTS}}]
+    return op
 
 
 async def openapi(request: Request) -> Response:

@@ -82,6 +82,37 @@ EVENT_STREAM = {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string", "minLength": 1}, "event": {"const": "message"}}}
 
 
+_NUM_OR_NULL = {"type": ["number", "null"]}
+_STEP = _obj({"step": _INT, "time": _NUM, "duration_ms": _NUM, "decode_rows": _INT,
+              "prefill_rows": _INT, "prefill_tokens": _INT, "preemptions": _INT})
+_LIVE_REQUEST = _obj({"id": _STR, "state": {"enum": ["waiting", "running", "preempted",
+                                                     "grammar"]},
+                      "prompt_tokens": _INT, "output_tokens": _INT, "cached_tokens": _INT,
+                      "age_ms": _NUM, "ttft_ms": _NUM_OR_NULL, "itl_ms": _NUM_OR_NULL})
+_ENGINE_STATS = _obj({"num_running": _INT, "num_waiting": _INT, "num_kv_blocks": _INT,
+                      "num_free_kv_blocks": _INT, "kv_cache_usage": _NUM,
+                      "num_preemptions": _INT, "prefix_cache_queries": _INT,
+                      "prefix_cache_hits": _INT, "num_steps": _INT,
+                      "finish_rate": _NUM_OR_NULL})
+# The `data` of one `engine` event of GET /v1/engine/events (api/live.py): per engine (one,
+# or one per Ray replica) its stats, the steps since the previous event (all the engine still
+# remembers, up to 512, in the first), the KV pool as one character per block ("0" free,
+# "1" free but holding a reusable prefix, "2" in use) and up to 50 live requests, oldest
+# first; `rejected` counts refusals at admission by reason since the server started.
+ENGINE_EVENT = _obj({
+    "model": _STR, "time": _NUM,
+    "rejected": {"type": "object", "additionalProperties": _INT},
+    "engines": {"type": "array", "items": _obj({
+        "name": _STR, "stats": _ENGINE_STATS, "steps": {"type": "array", "items": _STEP},
+        "kv_blocks": {"type": "string", "pattern": "^[012]*$"},
+        "requests": {"type": "array", "items": _LIVE_REQUEST, "maxItems": 50},
+        "num_requests": _INT})}})
+ENGINE_EVENTS_STREAM = {"type": "object", "required": ["data"], "properties": {
+    "event": {"enum": ["engine", "error"]},
+    "data": {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"$ref": "#/components/schemas/EngineEvent"}}}}
+
+
 def json_content(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 

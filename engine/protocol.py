@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.outputs import ErrorCode, RequestOutput
+from engine.snapshot import EngineSnapshot
 from scheduler.errors import InvalidParamError, PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.limits import EngineLimits
 from scheduler.sampling_params import (
@@ -105,6 +106,16 @@ class EngineStats:
         if self.num_kv_blocks == 0:
             return 0.0
         return 1.0 - self.num_free_kv_blocks / self.num_kv_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine as the live view sees it: its name ("engine", or a Ray replica's id), its
+    stats and its snapshot (engine/snapshot.py)."""
+
+    name: str
+    stats: EngineStats
+    snapshot: EngineSnapshot
 
 
 class RequestStream:
@@ -217,3 +228,9 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    async def live_view(self, since: dict[str, int]) -> list[EngineView]:
+        """What /v1/engine/events shows: one EngineView per engine (one, or one per Ray
+        replica), each with the steps after `since[its name]` (0 when absent). Built between
+        two steps, only when asked; EngineDeadError when the engine is gone."""
+        ...

@@ -188,6 +188,12 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def block_states(self) -> str:
+        """Each block's state, by id, one character each: "2" in a block table, "1" free but
+        holding a published prefix (reusable), "0" free and empty (the live view's grid)."""
+        return "".join("2" if b.ref_count else "1" if b.hash is not None else "0"
+                       for b in self.blocks)
+
     def check_invariants(self) -> None:
         """Raise AssertionError with details if the pool's bookkeeping is inconsistent."""
         refs = self._count_refs()

@@ -36,7 +36,7 @@ PACKAGES = ("api", "engine", "scheduler", "configs")
 # What api/ may import from engine/ outside its composition roots: the engine's contract
 # (torch-free), including the replica messages, board and loopback helpers the ingress uses,
 # and the stream table every client (the replica client too) routes its deltas with.
-ENGINE_CONTRACT = {"engine.protocol", "engine.outputs", "engine.config",
+ENGINE_CONTRACT = {"engine.protocol", "engine.outputs", "engine.config", "engine.snapshot",
                    "engine.replicas.messages", "engine.replicas.board",
                    "engine.replicas.loopback", "engine.client.stream_table"}
 # The modules that assemble the whole server and so may import any part of it.

@@ -23,12 +23,14 @@ from engine.protocol import (
     EngineDeadError,
     EngineLimits,
     EngineStats,
+    EngineView,
     RequestOutput,
     RequestStream,
     SamplingParams,
 )
 from engine.replicas.board import REPORT_PERIOD_S
 from engine.replicas.messages import GenerateRequest, Refusal, ReplicaReport, StreamFailed
+from engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger("pagedserve.replicas")
 
@@ -85,6 +87,16 @@ class ReplicaClient:
     @property
     def limits(self) -> EngineLimits | None:
         return next((r.limits for r in self._reports if r.limits is not None), None)
+
+    async def live_view(self, since: dict[str, int]) -> list[EngineView]:
+        """One view per replica, from its latest report; asking tells the board someone
+        watches, so the replicas' next reports carry their snapshots (one report period
+        later: until then a replica's view has only its stats)."""
+        if not self.is_ready():
+            raise EngineDeadError("no engine replica is ready")
+        self._board.watch.remote()  # fire and forget
+        return [EngineView(r.replica, r.stats, _after(r.snapshot, since.get(r.replica, 0)))
+                for r in self._reports]
 
     def stats(self) -> EngineStats:
         """All replicas together (the API's Retry-After reads waiting requests and drain
@@ -199,6 +211,13 @@ def brief(exc: BaseException) -> str:
     """The first line of an error (Ray's carry whole remote tracebacks)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _after(snapshot: EngineSnapshot | None, step: int) -> EngineSnapshot:
+    """The snapshot with only the steps after `step` (an empty one before the first)."""
+    if snapshot is None:
+        return EngineSnapshot()
+    return dataclasses.replace(snapshot, steps=tuple(s for s in snapshot.steps if s.step > step))
 
 
 def sum_stats(all_stats: list[EngineStats]) -> EngineStats:

@@ -54,7 +54,7 @@ def settings_from_args(args: argparse.Namespace, replicas: ReplicaOptions) -> Se
     app_options = {"api_key": args.api_key, "max_body_bytes": args.max_body_bytes,
                    "request_timeout": args.request_timeout,
                    "trust_request_chat_template": args.trust_request_chat_template,
-                   "metrics_prefix": args.metrics_prefix}
+                   "metrics_prefix": args.metrics_prefix, "enable_ui": not args.disable_ui}
     return ServeSettings(replicas, app_options, args.shutdown_timeout, host=args.host,
                          port=args.port)
 

@@ -64,13 +64,21 @@ class _Wake:
     """A grammar compile finished: a loop idling on its inbox steps again."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Look:
+    """The live view asks for a snapshot (answered between two steps)."""
+
+    look_id: int
+    since_step: int
+
+
 class AsyncEngine(ClientSide):
     def __init__(self, config: EngineConfig, engine: LLMEngine | None = None, *,
                  clock: Callable[[], float] = time.monotonic,
                  stuck_after_s: float = STUCK_AFTER_S) -> None:
         super().__init__(config, clock, stuck_after_s)
         self.engine = engine if engine is not None else LLMEngine(config)
-        self._inbox: queue.Queue[_Add | _Abort | _Wake | None] = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Abort | _Wake | _Look | None] = queue.Queue()
         # Event-loop thread only: open streams, and submits waiting for their admission.
         self._table = StreamTable(self._close_stream)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,6 +138,7 @@ class AsyncEngine(ClientSide):
             await asyncio.to_thread(self._stopped.wait, STOP_WAIT_S)
         self._loaded.set()  # a start() still waiting for a load that never came
         self._table.fail_all(EngineDeadError("server shutting down"))
+        self._looks.fail_all(EngineDeadError("server shutting down"))
         self._stopped.set()  # also when the loop never ran: no more tokenizer work either
         self._stop_tokenizers()
 
@@ -211,10 +220,17 @@ class AsyncEngine(ClientSide):
                     self.engine.abort_request(request_id)
             finally:  # even if the engine's state is too broken to abort: nobody may hang
                 self._on_loop(self._table.fail_all, EngineDeadError(reason))
+                self._on_loop(self._looks.fail_all, EngineDeadError(reason))
 
-    def _apply(self, cmd: _Add | _Abort | _Wake) -> None:
+    def _send_look(self, look_id: int, since_step: int) -> None:
+        self._inbox.put(_Look(look_id, since_step))
+
+    def _apply(self, cmd: _Add | _Abort | _Wake | _Look) -> None:
         """One inbox message, on the engine thread."""
         if isinstance(cmd, _Wake):
+            return
+        if isinstance(cmd, _Look):
+            self._on_loop(self._looks.answer, cmd.look_id, self.engine.snapshot(cmd.since_step))
             return
         if isinstance(cmd, _Abort):
             self.engine.abort_request(cmd.request_id)  # its stream is closed: nobody listens

@@ -14,14 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine.client.looks import Looks
 from engine.config import EngineConfig
 from engine.protocol import (
     ChatTemplateArgs,
     EngineDeadError,
     EngineLimits,
     EngineStats,
+    EngineView,
     check_token_ids,
 )
+from engine.snapshot import SINGLE_ENGINE
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("pagedserve.engine")
@@ -67,6 +70,7 @@ class ClientSide:
         self._busy_since: float | None = None
         self._stuck_logged = False
         self._stopped = threading.Event()  # the step loop has ended (or never will run)
+        self._looks = Looks()  # live-view snapshots asked for (event-loop thread only)
 
     def is_ready(self) -> bool:
         if not self._ready or self._dead or self._stopped.is_set():
@@ -89,6 +93,23 @@ class ClientSide:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    async def live_view(self, since: dict[str, int]) -> list[EngineView]:
+        """One view: this engine's stats and its snapshot, built by the step loop between two
+        steps (`_send_look` asks; the loop's answer settles the look)."""
+        self._check_alive()
+        look_id, answer = self._looks.ask(asyncio.get_running_loop())
+        try:
+            self._send_look(look_id, since.get(SINGLE_ENGINE, 0))
+            snapshot = await answer
+        finally:
+            self._looks.forget(look_id)
+        return [EngineView(SINGLE_ENGINE, self._stats, snapshot)]
+
+    def _send_look(self, look_id: int, since_step: int) -> None:
+        """Ask the step loop for a snapshot; it answers with self._looks.answer(look_id, ..)
+        on the event loop's thread."""
+        raise NotImplementedError
 
     @property
     def limits(self) -> EngineLimits | None:

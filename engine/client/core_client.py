@@ -35,7 +35,9 @@ from engine.core.messages import (
     Busy,
     GrammarDone,
     LoadFailed,
+    Look,
     Ready,
+    Seen,
     Shutdown,
     StepDone,
     ToClient,
@@ -218,6 +220,8 @@ class EngineCoreClient(ClientSide):
                               else refusal_error(msg.refusal))
         elif isinstance(msg, GrammarDone):
             self._settle(self._grammars.get(msg.request_id), msg)
+        elif isinstance(msg, Seen):
+            self._looks.answer(msg.look_id, msg.snapshot)
         elif isinstance(msg, Busy):
             self._busy_since = self._clock()
         elif isinstance(msg, Ready):
@@ -257,8 +261,12 @@ class EngineCoreClient(ClientSide):
         logger.error("%s: the engine is dead", self._dead)
         self._fail_all(EngineDeadError(self._dead))
 
+    def _send_look(self, look_id: int, since_step: int) -> None:
+        self._send(Look(look_id, since_step))
+
     def _fail_all(self, error: BaseException) -> None:
         for waiter in self._grammars.values():
             if not waiter.done():
                 waiter.set_exception(error)
         self._table.fail_all(error)
+        self._looks.fail_all(error)

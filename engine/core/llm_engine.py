@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 
 from engine.config import EngineConfig
 from engine.core.grammar_tracker import GrammarTracker
+from engine.core.live_view import StepLog, build_snapshot
 from engine.core.request_outputs import (
     RequestState,
     collect_prompt_logprobs,
@@ -36,6 +37,7 @@ from engine.core.request_outputs import (
 from engine.core.step_stats import IterationTokens, engine_stats
 from engine.outputs import ErrorCode, RequestOutput, TokenLogprobs
 from engine.protocol import EngineLimits, EngineStats, InvalidParamError, check_token_ids
+from engine.snapshot import EngineSnapshot
 from engine.structured_output.manager import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.worker.model_runner import ModelRunner
@@ -65,6 +67,7 @@ class LLMEngine:
         self._scheduler: Scheduler | None = None
         self._limits: EngineLimits | None = None
         self._iterations = IterationTokens()
+        self.step_log = StepLog()  # the live view's timeline
         self._structured: StructuredOutputs | None = None
         self._structured_error = "not loaded"  # why _structured is None
         self.grammars = GrammarTracker(lambda: self.structured)
@@ -197,6 +200,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One step's deltas. Never raises for a failed forward: see _fail_step."""
+        started = time.perf_counter()
         # Deadlines first: a request past its own answers timeout even if this step fails.
         outputs = self._expire_deadlines(self.clock()) if self._deadlines else []
         outputs += self._install_grammars()
@@ -211,6 +215,7 @@ class LLMEngine:
             outputs += self._fail_step(batch, e)
         else:
             self.consecutive_failures = 0
+        self.step_log.record(self.num_steps, batch, started)
         return outputs
 
     def _run(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> None:
@@ -325,6 +330,11 @@ class LLMEngine:
                            finish_reason=finish_reason, error=error, error_code=error_code)
 
     # ---- stats ----------------------------------------------------------------------------
+
+    def snapshot(self, since_step: int) -> EngineSnapshot:
+        """What the live view shows: the steps after `since_step`, the KV pool, the live
+        requests (engine/core/live_view.py). Between steps, on the engine's thread."""
+        return build_snapshot(self.step_log, self.scheduler, self.requests, since_step)
 
     def stats(self) -> EngineStats:
         return engine_stats(

@@ -16,6 +16,7 @@ import msgspec
 
 from engine.outputs import RequestOutput
 from engine.protocol import EngineLimits, EngineStats
+from engine.snapshot import EngineSnapshot
 from scheduler.errors import InvalidParamError, PromptTooLongError, QueueFullError
 from scheduler.sampling_params import SamplingParams
 
@@ -48,7 +49,14 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     """Abort everything, then exit."""
 
 
-ToCore = AddRequest | AbortRequest | Shutdown
+class Look(msgspec.Struct, frozen=True, tag=True):
+    """The live view asks for a snapshot: the steps after since_step and the state now."""
+
+    look_id: int
+    since_step: int
+
+
+ToCore = AddRequest | AbortRequest | Shutdown | Look
 
 
 # ---- core -> API process ------------------------------------------------------------------
@@ -87,7 +95,14 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
     dead: str | None = None  # too many failed steps in a row: the engine serves no more
 
 
-ToClient = Ready | LoadFailed | Admitted | GrammarDone | Busy | StepDone
+class Seen(msgspec.Struct, frozen=True, tag=True):
+    """The answer to a Look, sent between two steps."""
+
+    look_id: int
+    snapshot: EngineSnapshot
+
+
+ToClient = Ready | LoadFailed | Admitted | GrammarDone | Busy | StepDone | Seen
 
 _ENCODER = msgspec.msgpack.Encoder()
 _TO_CORE = msgspec.msgpack.Decoder(ToCore)

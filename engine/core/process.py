@@ -30,7 +30,9 @@ from engine.core.messages import (
     Busy,
     GrammarDone,
     LoadFailed,
+    Look,
     Ready,
+    Seen,
     Shutdown,
     StepDone,
     ToClient,
@@ -127,9 +129,11 @@ class EngineCore(StepLoop):
         self._idle = not busy
         self._send(StepDone(outputs, self.stats(), busy, self.dead))
 
-    def apply(self, msg: AddRequest | AbortRequest | _Compiled) -> None:
+    def apply(self, msg: AddRequest | AbortRequest | Look | _Compiled) -> None:
         if isinstance(msg, AbortRequest):
             self.engine.abort_request(msg.request_id)
+        elif isinstance(msg, Look):
+            self._send(Seen(msg.look_id, self.engine.snapshot(msg.since_step)))
         elif isinstance(msg, _Compiled):
             error = msg.future.exception()
             refusal = None if error is None else refusal_info(param_error(msg.so, error))

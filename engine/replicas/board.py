@@ -18,6 +18,7 @@ from engine.replicas.messages import ReplicaReport
 
 REPORT_PERIOD_S = 0.25  # how often a replica posts its state
 STALE_AFTER_S = 3.0  # a report older than this is a replica that is gone (or stuck)
+WATCHED_FOR_S = 2.0  # after the live view's last look, replicas keep adding their snapshot
 
 
 class ReplicaBoard:
@@ -26,9 +27,17 @@ class ReplicaBoard:
 
     def __init__(self) -> None:
         self._reports: dict[str, ReplicaReport] = {}
+        self._watched_until = 0.0
 
-    def post(self, report: ReplicaReport) -> None:
+    def post(self, report: ReplicaReport) -> bool:
+        """Store the report; True while someone watches the live view (the replica's next
+        report then carries its snapshot: nobody watching, nobody builds one)."""
         self._reports[report.replica] = report
+        return time.time() < self._watched_until
+
+    def watch(self) -> None:
+        """The live view looked (the ingress calls this on each of its looks)."""
+        self._watched_until = time.time() + WATCHED_FOR_S
 
     def remove(self, replica: str) -> None:
         self._reports.pop(replica, None)

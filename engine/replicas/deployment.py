@@ -33,11 +33,14 @@ from engine.replicas.messages import (
     StreamFailed,
     refusal_of,
 )
+from engine.snapshot import SINGLE_ENGINE, EngineSnapshot
 
 if TYPE_CHECKING:
     from engine.client.async_engine import AsyncEngine
 
 logger = logging.getLogger("pagedserve.replica")
+
+REPORTED_STEPS = 256  # steps in a watched report: more than a report period's worth
 
 StreamItem = Admitted | Refusal | StreamFailed | Any  # Any: engine.outputs.RequestOutput
 
@@ -98,15 +101,29 @@ class EngineReplica:
         if not self._engine.is_ready():
             raise RuntimeError("the engine loop is dead or stuck")
 
-    def report(self) -> ReplicaReport:
+    def report(self, snapshot: EngineSnapshot | None = None) -> ReplicaReport:
         e = self._engine
         return ReplicaReport(self._replica, e.model_name, self._actor_name, e.is_ready(),
-                             e.stats(), e.limits, time.time())
+                             e.stats(), e.limits, time.time(), snapshot)
 
     async def _report_forever(self) -> None:
+        watched = False
         while True:
-            self._board.post.remote(self.report())  # fire and forget: no reply to wait for
+            snapshot = await self._snapshot() if watched else None
+            try:  # the board answers whether the live view is watched
+                watched = await self._board.post.remote(self.report(snapshot))
+            except Exception:  # noqa: BLE001 - the board is gone (shutdown): keep serving
+                watched = False
             await asyncio.sleep(REPORT_PERIOD_S)
+
+    async def _snapshot(self) -> EngineSnapshot | None:
+        """The live view's snapshot with the last REPORTED_STEPS steps (None: engine gone)."""
+        since = max(0, self._engine.stats().num_steps - REPORTED_STEPS)
+        try:
+            [view] = await self._engine.live_view({SINGLE_ENGINE: since})
+        except EngineDeadError:
+            return None
+        return view.snapshot
 
     async def __del__(self) -> None:
         """Serve's graceful shutdown (after in-flight requests drained or the timeout)."""

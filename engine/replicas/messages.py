@@ -20,6 +20,7 @@ from engine.protocol import (
     QueueFullError,
     SamplingParams,
 )
+from engine.snapshot import EngineSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,3 +99,6 @@ class ReplicaReport:
     stats: EngineStats
     limits: EngineLimits | None
     sent_at: float
+    # While the live view is watched: the replica's snapshot, with its last
+    # REPORTED_STEPS steps (a window, so a report the ingress never read loses nothing).
+    snapshot: EngineSnapshot | None = None

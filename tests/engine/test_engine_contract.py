@@ -26,6 +26,7 @@ from engine.protocol import (
     RequestOutput,
     RequestStream,
 )
+from engine.snapshot import BLOCK_USED, SINGLE_ENGINE
 from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
@@ -204,3 +205,44 @@ def test_tokenizer_calls_are_coroutines(make_engine: Callable[[], EngineClient])
                                              ChatTemplateArgs(chat_template="RAISE{{ x.y.z }}"))
 
     run(make_engine, body)
+
+
+def test_live_view_shows_steps_blocks_and_running_requests(
+        make_engine: Callable[[], EngineClient]) -> None:
+    """issue 36: what /v1/engine/events shows, between two steps, on every engine."""
+    async def body(engine: EngineClient) -> None:
+        [idle] = await engine.live_view({})
+        assert idle.name == SINGLE_ENGINE and idle.snapshot.requests == ()
+        assert len(idle.snapshot.kv_blocks) == idle.stats.num_kv_blocks
+        stream = await engine.submit("watched", PROMPT, LONG)
+        got = 0
+        async for out in stream:
+            got += len(out.new_token_ids)
+            if got >= 3:
+                break
+        [view] = await engine.live_view({})
+        await stream.aclose()
+        [row] = view.snapshot.requests
+        assert (row.request_id, row.state, row.prompt_tokens) == ("watched", "running", 4)
+        assert row.output_tokens >= 3 and view.snapshot.num_requests == 1
+        assert BLOCK_USED in view.snapshot.kv_blocks
+        steps = view.snapshot.steps
+        assert len(steps) >= 3 and [s.step for s in steps] == sorted(s.step for s in steps)
+        assert all(s.duration_ms >= 0 for s in steps) and steps[-1].decode_rows == 1
+        # Only the steps after the one a viewer has seen come again.
+        [later] = await engine.live_view({SINGLE_ENGINE: steps[-1].step})
+        assert all(s.step > steps[-1].step for s in later.snapshot.steps)
+        await until(lambda: engine.stats().num_running == 0, "the aborted request still runs")
+
+    run(make_engine, body)
+
+
+def test_live_view_after_shutdown_is_engine_dead(make_engine: Callable[[], EngineClient]) -> None:
+    async def main() -> None:
+        engine = make_engine()
+        await start(engine)
+        await engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await engine.live_view({})
+
+    asyncio.run(asyncio.wait_for(main(), 60))

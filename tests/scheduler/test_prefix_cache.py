@@ -194,3 +194,16 @@ def test_bad_pool_size() -> None:
         BlockManager(0, 16)
     assert make_sched().block_manager.caches(make_seq("a", 3))
     assert make_seq("a", 3).status == SequenceStatus.WAITING
+
+
+def test_block_states_show_used_cached_and_free_blocks() -> None:
+    """The live view's grid: "2" in a block table, "1" free but published, "0" empty."""
+    bm = BlockManager(num_blocks=6, block_size=4)
+    assert bm.block_states() == "000000"
+    a = make_seq("a", list(range(100, 109)), max_tokens=1)  # 2 full blocks and 1 token
+    compute(bm, a, 9)
+    states = bm.block_states()
+    assert states.count("2") == 3 and states.count("0") == 3
+    bm.free(a)
+    states = bm.block_states()  # the full blocks stay published for reuse, the last is empty
+    assert states.count("1") == 2 and states.count("0") == 4 and "2" not in states

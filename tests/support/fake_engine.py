@@ -10,6 +10,7 @@ both). Delays, admission errors and mid-stream failures are knobs; aborts are re
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from collections.abc import AsyncIterator
@@ -22,9 +23,19 @@ from engine.protocol import (
     EngineDeadError,
     EngineLimits,
     EngineStats,
+    EngineView,
     InvalidParamError,
     PromptTooLongError,
     RequestStream,
+)
+from engine.snapshot import (
+    BLOCK_FREE,
+    BLOCK_USED,
+    SINGLE_ENGINE,
+    STEP_LOG_LEN,
+    EngineSnapshot,
+    RequestRow,
+    StepRecord,
 )
 from scheduler.sampling_params import SamplingParams
 
@@ -77,6 +88,11 @@ class FakeEngine:
         self.replies: list[str] = []
         self.renders_tools = False  # whether the fake chat template has a tools section
         self.templates: list[ChatTemplateArgs] = []  # every apply_chat_template call
+        # The live view: each generated token is a one-row decode step; requests by id:
+        # (prompt tokens, output tokens, arrival).
+        self.steps: collections.deque[StepRecord] = collections.deque(maxlen=STEP_LOG_LEN)
+        self.progress: dict[str, list[float]] = {}
+        self.looks = 0  # live_view calls
 
     @property
     def limits(self) -> EngineLimits | None:
@@ -148,6 +164,26 @@ class FakeEngine:
                            prefix_cache_queries=10, prefix_cache_hits=4, num_steps=7,
                            finish_rate=self.finish_rate)
 
+    async def live_view(self, since: dict[str, int]) -> list[EngineView]:
+        """The fake's pool: num_kv_blocks 100, the first 25 used (as stats() says)."""
+        if self.dead or not self.started:
+            raise EngineDeadError("engine is dead")
+        self.looks += 1
+        after = since.get(SINGLE_ENGINE, 0)
+        now = time.monotonic()
+        rows = tuple(RequestRow(rid, "running", int(p), int(o), self.cached_tokens,
+                                (now - t) * 1e3, None, None)
+                     for rid, (p, o, t) in self.progress.items())
+        snapshot = EngineSnapshot(tuple(s for s in self.steps if s.step > after),
+                                  BLOCK_USED * 25 + BLOCK_FREE * 75, rows, len(rows))
+        return [EngineView(SINGLE_ENGINE, self.stats(), snapshot)]
+
+    def _stepped(self, rid: str, produced: int) -> None:
+        step = self.steps[-1].step + 1 if self.steps else 1
+        self.steps.append(StepRecord(step, time.time(), self.token_delay * 1e3, 1, 0, 0, 0))
+        if rid in self.progress:
+            self.progress[rid][1] = produced
+
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                      priority: int = 0, deadline: float | None = None) -> RequestStream:
         if self.dead or not self.started:
@@ -173,6 +209,7 @@ class FakeEngine:
     async def _feed(self, run: _Run, stream: RequestStream) -> None:
         """Generate into the stream, as the engine thread would."""
         self.active.add(run.rid)
+        self.progress[run.rid] = [len(run.ids), 0, time.monotonic()]
         try:
             async for out in run.outputs():
                 stream.put(out)
@@ -186,6 +223,7 @@ class FakeEngine:
             stream.put(e)
         finally:
             self.active.discard(run.rid)
+            self.progress.pop(run.rid, None)
             self._runs.pop(run.rid, None)
 
 
@@ -223,6 +261,7 @@ class _Run:
                                     error_code=ErrorCode.STEP_FAILED)
                 return
             out = self._step(self.reply[k % len(self.reply)], k + 1)
+            self.e._stepped(self.rid, k + 1)
             yield out
             if out.finished:
                 return
