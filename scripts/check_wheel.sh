@@ -61,6 +61,9 @@ request = urllib.request.Request(url + "/v1/completions", body,
                                  {"Content-Type": "application/json"})
 answer = json.load(urllib.request.urlopen(request, timeout=60))
 print("check-wheel: served from the installed wheel:", repr(answer["choices"][0]["text"]))
+for path in ("/", "/dashboard", "/ui/playground.js", "/ui/dashboard.js", "/ui/style.css"):
+    urllib.request.urlopen(url + path, timeout=10)  # the pages ship in the wheel (api/ui/)
+print("check-wheel: the playground and the live view are served")
 PY
 kill -TERM "$pid"
 wait "$pid"

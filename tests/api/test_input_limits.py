@@ -293,15 +293,17 @@ def test_detokenize_shapes(client: TestClient, tokens: Any) -> None:
 # Open without a key: the probes (/health for load balancers, /metrics for scrapers) and
 # /openapi.json. The document only describes the public API, and tools that read it
 # (client generators, schemathesis) expect it unauthenticated; vLLM leaves its docs open too.
-OPEN_PATHS = {"/health", "/metrics"}
+# Probes, scrapers and the built-in pages' static files (they hold no server data).
+OPEN_PATHS = {"/health", "/metrics", "/", "/dashboard"}
+QUERY = {"/v1/engine/events": "?max_events=1"}  # a finite event stream
 KEY = "s3cr3t-key"
 
 
 def _call(client: TestClient, route: Route, headers: dict[str, str]) -> Any:
     method = min(route.methods - {"HEAD"})  # type: ignore[operator]
     body = POST_ROUTES.get(route.path)
-    return client.request(method, route.path, json=body if method == "POST" else None,
-                          headers=headers)
+    return client.request(method, route.path + QUERY.get(route.path, ""),
+                          json=body if method == "POST" else None, headers=headers)
 
 
 def _routes(client: TestClient) -> list[Route]:
@@ -325,6 +327,7 @@ def test_api_key_guards_every_route_but_the_open_ones(headers: dict[str, str]) -
                 error = assert_error(r, 401)
                 assert error["code"] == "invalid_api_key", route.path
         assert_error(client.get("/v1/no-such-route", headers=headers), 401)
+        assert client.get("/ui/style.css", headers=headers).status_code == 200
 
 
 def test_api_key_accepted_on_every_route() -> None:

@@ -215,6 +215,42 @@ def test_metrics_have_a_row_per_replica(url: str) -> None:
     assert "pagedserve:time_to_first_token_seconds_bucket" in text  # API-edge series too
 
 
+def test_live_view_has_a_panel_per_replica_with_its_snapshot(url: str) -> None:
+    """issue 36: /v1/engine/events through the ingress: one engine per replica, named as in
+    /metrics; once watched, each replica's reports carry its steps, blocks and requests."""
+    wait_idle(url)
+    replicas = set(replica_metrics(url)[TOTAL])
+
+    def look() -> list[dict[str, object]]:
+        with httpx.stream("GET", url + "/v1/engine/events?max_events=1", timeout=30) as r:
+            assert r.status_code == 200
+            data = next(ln for ln in r.iter_lines() if ln.startswith("data: "))
+        engines: list[dict[str, object]] = json.loads(data.removeprefix("data: "))["engines"]
+        return engines
+
+    def until(done: Callable[[list[dict[str, object]]], bool], what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not done(look()):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.1)
+
+    assert {e["name"] for e in look()} == replicas
+    # The snapshots come with the replicas' next reports, once the board says "watched".
+    until(lambda seen: all(len(str(e["kv_blocks"])) == 400 for e in seen), "no snapshots")
+    body = {"prompt": "hello " * 20, "max_tokens": 64, "ignore_eos": True}
+    worker = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                              kwargs={"json": body, "timeout": 60})
+    worker.start()
+    try:
+        until(lambda seen: any(e["requests"] and "2" in str(e["kv_blocks"]) for e in seen),
+              "no replica showed the running request and its blocks")
+    finally:
+        worker.join(60)
+    until(lambda seen: not any(e["requests"] or "2" in str(e["kv_blocks"]) for e in seen),
+          "the finished request is still shown")
+    assert any(e["steps"] for e in look())  # the serving replica's recent steps
+
+
 # ---- a killed replica ------------------------------------------------------------------------
 
 
