@@ -16,6 +16,7 @@ Screenshots of both pages are written to PAGEDSERVE_SCREENSHOTS (a folder) when 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -191,3 +192,32 @@ def test_api_key_guards_the_event_stream_and_the_page_sends_it(
         assert page.inner_text("#status") == "live"
         context.close()
         assert errors and all("401" in e for e in errors), errors
+
+
+def test_json_schema_mode_and_tools_send_the_apis_fields(live: Live, page: Any) -> None:
+    page.goto(live.url + "/")
+    page.wait_for_function("document.getElementById('model').textContent === 'tiny'")
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "120")
+    page.check("#json-mode")
+    page.fill("#message", "What is the capital of France? Answer in JSON.")
+    page.click("#send")
+    page.wait_for_selector('.msg.assistant[data-done="true"]', timeout=WAIT_MS)
+    body = page.evaluate("state.lastRequest.body")
+    assert body["response_format"]["type"] == "json_schema"
+    answer = json.loads(page.inner_text(".msg.assistant"))  # the grammar held
+    assert isinstance(answer["answer"], str)
+
+    page.click("#clear")
+    page.uncheck("#json-mode")
+    page.check("#tools-mode")
+    page.fill("#message", "What is the weather in Paris?")
+    page.click("#send")
+    page.wait_for_selector('.msg.assistant[data-done="true"]', timeout=WAIT_MS)
+    body = page.evaluate("state.lastRequest.body")
+    assert body["tools"][0]["function"]["name"] == "get_weather"
+    assert page.locator(".msg.error").count() == 0
+    finish = page.get_attribute("#stats", "data-finish")
+    calls = page.locator(".msg.assistant .calls")
+    assert finish in ("stop", "length", "tool_calls")
+    assert (finish == "tool_calls") == (calls.count() == 1)
