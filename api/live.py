@@ -28,13 +28,14 @@ from starlette.staticfiles import StaticFiles
 from api.errors import bad_request
 from api.sse import PING_S, SEP
 from api.state import AppState
-from engine.protocol import EngineDeadError, EngineView
+from engine.protocol import EngineView
 from engine.snapshot import EngineSnapshot
 
 MIN_INTERVAL_MS = 100  # at most 10 looks a second per viewer
 MAX_INTERVAL_MS = 10_000
 DEFAULT_INTERVAL_MS = 250
 MAX_EVENTS = 1_000_000
+DRAIN_CHECK_S = 0.25  # how soon a waiting event stream notices a drain
 UI_PACKAGE = ("api", "ui")  # api/ui/, shipped as package data
 
 
@@ -96,7 +97,7 @@ async def _events(app: AppState, interval: float,
         started = loop.time()
         try:
             views = await app.engine.live_view(since)
-        except EngineDeadError as e:
+        except Exception as e:  # noqa: BLE001 - EngineDeadError, or a failed snapshot (logged)
             yield ServerSentEvent(data=json.dumps({"error": str(e)}), event="error", sep=SEP)
             return
         for view in views:
@@ -105,7 +106,15 @@ async def _events(app: AppState, interval: float,
         yield ServerSentEvent(data=json.dumps(event_payload(app, views)), event="engine",
                               sep=SEP)
         sent += 1
-        await asyncio.sleep(max(0.0, interval - (loop.time() - started)))
+        await _pause(app, started + interval)
+
+
+async def _pause(app: AppState, until: float) -> None:
+    """Sleep until the next look, in short slices so that a drain (SIGTERM) ends the stream
+    at once, not after an interval of up to MAX_INTERVAL_MS."""
+    loop = asyncio.get_running_loop()
+    while not app.lifecycle.draining and (left := until - loop.time()) > 0:
+        await asyncio.sleep(min(DRAIN_CHECK_S, left))
 
 
 def event_payload(app: AppState, views: list[EngineView]) -> dict[str, Any]:

@@ -82,7 +82,20 @@ class LLM:
                 results[out.request_id].add(out)
                 bar.update(int(out.finished))
         bar.close()
+        failed = [c for c in results.values() if c.error is not None]
+        if failed:  # as vLLM's LLM: a prompt the engine failed is an error, never empty text
+            raise GenerationError(failed, list(results.values()))
         return list(results.values())
+
+
+class GenerationError(RuntimeError):
+    """The engine failed some prompts (a failed step: see the log). `completions` holds every
+    prompt's result, in prompt order, the failed ones with their `error`."""
+
+    def __init__(self, failed: list[Completion], completions: list[Completion]) -> None:
+        super().__init__(f"{len(failed)} of {len(completions)} prompt(s) failed: "
+                         f"{failed[0].error}")
+        self.completions = completions
 
 
 def _broadcast(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -22,9 +22,14 @@ class Looks:
         self._waiting[look_id] = answer
         return look_id, answer
 
-    def answer(self, look_id: int, snapshot: EngineSnapshot) -> None:
+    def answer(self, look_id: int, snapshot: EngineSnapshot | None) -> None:
+        """The engine's answer; None: building the snapshot failed (the engine logged why)."""
         waiting = self._waiting.pop(look_id, None)
-        if waiting is not None and not waiting.done():  # the viewer may have left
+        if waiting is None or waiting.done():  # the viewer has left
+            return
+        if snapshot is None:
+            waiting.set_exception(RuntimeError("the engine could not build the live view"))
+        else:
             waiting.set_result(snapshot)
 
     def forget(self, look_id: int) -> None:

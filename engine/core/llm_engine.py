@@ -331,10 +331,15 @@ class LLMEngine:
 
     # ---- stats ----------------------------------------------------------------------------
 
-    def snapshot(self, since_step: int) -> EngineSnapshot:
+    def snapshot(self, since_step: int) -> EngineSnapshot | None:
         """What the live view shows: the steps after `since_step`, the KV pool, the live
-        requests (engine/core/live_view.py). Between steps, on the engine's thread."""
-        return build_snapshot(self.step_log, self.scheduler, self.requests, since_step)
+        requests (engine/core/live_view.py). Between steps, on the engine's thread. None if
+        it fails: a bug there is logged and must never stop the step loop."""
+        try:
+            return build_snapshot(self.step_log, self.scheduler, self.requests, since_step)
+        except Exception:  # the viewer gets an error; the engine goes on
+            logger.exception("building the live view's snapshot failed")
+            return None
 
     def stats(self) -> EngineStats:
         return engine_stats(

@@ -99,7 +99,7 @@ class Seen(msgspec.Struct, frozen=True, tag=True):
     """The answer to a Look, sent between two steps."""
 
     look_id: int
-    snapshot: EngineSnapshot
+    snapshot: EngineSnapshot | None  # None: building it failed (the core logged why)
 
 
 ToClient = Ready | LoadFailed | Admitted | GrammarDone | Busy | StepDone | Seen

@@ -121,7 +121,7 @@ class EngineReplica:
         since = max(0, self._engine.stats().num_steps - REPORTED_STEPS)
         try:
             [view] = await self._engine.live_view({SINGLE_ENGINE: since})
-        except EngineDeadError:
+        except Exception:  # noqa: BLE001 - engine gone, or the snapshot failed (logged)
             return None
         return view.snapshot
 

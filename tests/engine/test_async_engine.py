@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import engine.client.async_engine as async_engine_mod
+import engine.core.llm_engine as llm_engine_module
 from engine.client.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import step_loop
@@ -405,3 +406,26 @@ def test_long_texts_do_not_queue_ahead_of_short_ones(llama_runner: ModelRunner) 
         return done
 
     assert run_async(main())[0] == "short"
+
+
+def test_a_failing_live_view_snapshot_fails_the_look_not_the_engine(
+        llama_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 36: the snapshot is built on the engine thread; a bug there is the viewer's error,
+    never a stopped step loop."""
+    def broken(*args: object) -> None:
+        raise KeyError("boom")
+
+    monkeypatch.setattr(llm_engine_module, "build_snapshot", broken)
+
+    async def main() -> None:
+        eng = make(llama_runner)
+        await eng.start()
+        try:
+            with pytest.raises(RuntimeError, match="could not build the live view"):
+                await eng.live_view({})
+            assert eng.is_ready()
+            assert len(tokens(await collect(eng.submit("after", [5, 6, 7], GREEDY)))) == 8
+        finally:
+            await eng.shutdown()
+
+    run_async(main())

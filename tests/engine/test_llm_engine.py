@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
-from engine.llm import Completion
+from engine.llm import LLM, Completion, GenerationError
 from engine.outputs import ErrorCode, RequestOutput
 from engine.protocol import EngineLimits, InvalidParamError, PromptTooLongError
 from engine.worker.loader import load_model
@@ -20,6 +20,7 @@ from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.sampling_params import SamplingParams
 from tests.support.faults import FaultyRunner
+from tests.support.models import tiny_config
 
 
 def make(runner: ModelRunner, num_kv_blocks: int | None = None, **sched: object) -> LLMEngine:
@@ -255,3 +256,19 @@ def test_priority_is_refused_unless_the_priority_policy_is_on(llama_runner: Mode
         fcfs.add_request("three", [5, 6], params, priority=3)
     assert e.value.param == "priority" and "three" not in fcfs.requests
     make(llama_runner, policy="priority").add_request("three", [5, 6], params, priority=3)
+
+
+def test_offline_generate_raises_when_the_engine_fails_a_prompt(
+        llama_runner: ModelRunner, tiny_llama: Path) -> None:
+    """issue 33: a failed step made LLM.generate return an empty completion, as if the model
+    had said nothing. As vLLM's LLM, it raises; every prompt's result rides on the error."""
+    llm = LLM(tiny_config(tiny_llama))
+    llm.engine = make(FaultyRunner(llama_runner, fail=1))  # type: ignore[arg-type]
+    with pytest.raises(GenerationError, match="of 2 prompt.s. failed: engine step failed") as e:
+        llm.generate([[3, 4, 5], [6, 7]], SamplingParams(temperature=0.0, max_tokens=3),
+                     use_tqdm=False)
+    assert [c.error is not None for c in e.value.completions].count(True) >= 1
+    llm.engine = make(llama_runner)
+    [ok] = llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=3),
+                        use_tqdm=False)
+    assert len(ok.token_ids) == 3 and ok.error is None
