@@ -45,31 +45,42 @@ def build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
+# Each family's tiny shape beyond the common one (transformers' config and model class names).
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("Llama", {}),
+    "qwen2": ("Qwen2", {"tie_word_embeddings": True}),
+    # q/k norms and an explicit head_dim (32 != hidden / heads)
+    "qwen3": ("Qwen3", {"head_dim": 32}),
+    "mistral": ("Mistral", {"sliding_window": None}),  # the window: issue 33
+    "phi3": ("Phi3", {}),  # fused qkv_proj and gate_up_proj in the checkpoint
+    "granite": ("Granite", {"embedding_multiplier": 2.0, "attention_multiplier": 0.25,
+                            "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+    "olmo2": ("Olmo2", {}),  # norms after attention and MLP, q/k norms over all heads
+    "smollm3": ("SmolLM3", {"no_rope_layer_interval": 2}),  # every 2nd layer without RoPE
+    "qwen3_moe": ("Qwen3Moe", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 32, "decoder_sparse_step": 1}),
+    "phi": ("Phi", {}),
+    "gemma": ("Gemma", {"head_dim": 16}),
+    "olmo": ("Olmo", {}),
+    "cohere": ("Cohere", {}),
+    "starcoder2": ("Starcoder2", {"sliding_window": None}),
+    "glm": ("Glm", {}),
+}
+
+
 def build_checkpoint(folder: Path, arch: str) -> Path:
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
+    import transformers
 
     build_tokenizer(folder)
-    vocab = len(AutoTokenizer.from_pretrained(folder))
+    vocab = len(transformers.AutoTokenizer.from_pretrained(folder))
     common: dict[str, Any] = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1,
               "pad_token_id": 1}
     torch.manual_seed(0)
-    model: PreTrainedModel
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
-    else:  # qwen3: q/k norms and an explicit head_dim (32 != hidden / heads)
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    name, extra = FAMILIES[arch]
+    config = getattr(transformers, f"{name}Config")(**common, **extra)
+    model: PreTrainedModel = getattr(transformers, f"{name}ForCausalLM")(config)
     # Larger-than-default weights spread the logits, so greedy ties (fp noise flips) are rare.
     with torch.no_grad():
         for p in model.parameters():
