@@ -233,6 +233,19 @@ def serving_threads() -> int:
         return os.cpu_count() or 1
 
 
+def check_model_source(model: str | None) -> None:
+    """A model that is not there, or of a family we do not serve, is one line and a non-zero
+    exit before the server starts (not a background load failure behind 503s)."""
+    from engine.worker.families import UnsupportedModelError, check_supported
+    from engine.worker.loader import resolve_source
+
+    try:
+        source, _ = resolve_source(model)
+        check_supported(source)
+    except (FileNotFoundError, UnsupportedModelError, ValueError) as e:
+        raise SystemExit(f"pagedserve: error: {e}") from None
+
+
 def serve(args: argparse.Namespace) -> None:
     from api.app import create_app
     from api.state import AppState
@@ -243,6 +256,7 @@ def serve(args: argparse.Namespace) -> None:
     config = load_config(args.config, **config_overrides(args))
     if (missing := missing_default_model(config)) is not None:
         raise SystemExit(f"pagedserve: error: {missing}")
+    check_model_source(config.model)
     if config.num_threads is None:
         config = dataclasses.replace(config, num_threads=serving_threads())
     engine: AsyncEngine | EngineCoreClient = (

@@ -20,6 +20,7 @@ import torch
 
 from engine.config import EMBEDDED_INSTALL, EMBEDDED_PACKAGE
 from engine.worker.cache_paths import gguf_cache_dir
+from engine.worker.families import check_supported
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,7 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     from engine.layers.quantization.quant import quantize_model, resolve_mode
 
     source, name = resolve_source(model)
+    check_supported(source)  # before any conversion or load
     folder = converted_gguf(source) if source.is_file() else source
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)

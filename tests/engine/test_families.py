@@ -58,3 +58,42 @@ def test_family_matches_hf_generate_token_for_token(
         else:
             assert stats.prefix_cache_hits > 0
         assert_all_free(engine)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("tiny-gpt2")
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300,
+                               n_positions=64)).save_pretrained(folder)
+    return folder
+
+
+def test_an_unsupported_family_is_refused_before_it_loads(tiny_gpt2: Path) -> None:
+    """issue 33: GPT-2 loaded, then failed at its first step (and LLM.generate returned empty
+    text). Now the loader refuses it at once, naming it and what is served."""
+    from engine.worker.families import SUPPORTED_FAMILIES, UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="model type 'gpt2' is not supported: "
+                       "pagedserve serves cohere, gemma, glm, granite, llama") as e:
+        load_model(str(tiny_gpt2), device="cpu", dtype="float32")
+    assert all(f in str(e.value) for f in SUPPORTED_FAMILIES)
+
+
+def test_the_cli_refuses_an_unsupported_or_missing_model_in_one_line(
+        tiny_gpt2: Path, tmp_path: Path) -> None:
+    from api.cli import main
+
+    with pytest.raises(SystemExit, match=r"^pagedserve: error: model type 'gpt2' is not "):
+        main(["serve", "--config", "tiny", "--model", str(tiny_gpt2)])
+    with pytest.raises(SystemExit, match=r"^pagedserve: error: model not found: "):
+        main(["serve", "--config", "tiny", "--model", str(tmp_path / "nope")])
+
+
+def test_the_family_is_read_from_config_json_or_the_gguf_metadata(tiny_gpt2: Path) -> None:
+    from engine.worker.families import model_type_of
+    from engine.worker.loader import embedded_gguf
+
+    assert model_type_of(tiny_gpt2) == "gpt2"
+    assert model_type_of(embedded_gguf()) == "llama"  # the embedded SmolLM2's Q4_1 file

@@ -1,0 +1,50 @@
+"""Which model families pagedserve serves: those a test shows give HF generate()'s greedy
+tokens through our paged attention (tests/engine/test_golden.py, test_model_runner.py,
+test_families.py; docs/models.md). Any other `model_type` is refused before it loads, with
+one line naming it, instead of failing at its first step (GPT-2) or at load (StableLM).
+
+Read from the checkpoint's config.json, or from a GGUF file's `general.architecture`, which
+costs no model load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SUPPORTED_FAMILIES = frozenset({
+    "llama", "qwen2", "qwen3", "mistral", "phi3", "phi", "gemma", "granite", "olmo", "olmo2",
+    "smollm3", "qwen3_moe", "cohere", "starcoder2", "glm"})
+# GGUF architecture names that differ from transformers' model_type.
+GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "command-r": "cohere", "phi2": "phi"}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def model_type_of(source: Path) -> str | None:
+    """The family of a checkpoint folder or a .gguf file (None: it does not say)."""
+    if source.is_file():
+        from gguf import GGUFReader  # memory-maps the file; only the metadata is read
+
+        field = GGUFReader(source).fields.get("general.architecture")
+        if field is None:
+            return None
+        arch = bytes(field.parts[field.data[0]]).decode()
+        return GGUF_ARCHITECTURES.get(arch, arch)
+    config = json.loads((source / "config.json").read_text())
+    text = config.get("text_config") or {}
+    value = config.get("model_type") or text.get("model_type")
+    return str(value) if value else None
+
+
+def check_supported(source: Path) -> None:
+    """UnsupportedModelError unless the checkpoint is of a family we serve."""
+    family = model_type_of(source)
+    if family in SUPPORTED_FAMILIES:
+        return
+    said = f"model type {family!r}" if family else "a model whose config names no model_type"
+    raise UnsupportedModelError(
+        f"{said} is not supported: pagedserve serves {', '.join(sorted(SUPPORTED_FAMILIES))} "
+        "(docs/models.md)")
