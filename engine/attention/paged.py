@@ -61,6 +61,14 @@ class DecodeGroup:
     end: int
     rows: torch.Tensor  # pool rows of the group's block tables (pool_rows), padded with block 0
     mask: torch.Tensor  # [end - start, max_blocks * block_size] bool, True = a real context token
+    lens: torch.Tensor  # [end - start] context lengths (a sliding window starts lens - w in)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The mask of a layer that sees only the last `window` tokens (0: all of them)."""
+        if not window:
+            return self.mask
+        positions = torch.arange(self.mask.shape[1], device=self.mask.device)
+        return self.mask & (positions[None, :] >= self.lens[:, None] - window)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -85,6 +93,12 @@ class AttentionMetadata:
     # token's K/V write and the decodes' attention, pagedserve_cpu::paged_decode_step), then
     # one SDPA per prefill chunk.
     fused_step: bool = False
+    # Per layer, how many of the latest tokens a query sees (0: all): Mistral's sliding
+    # window, Gemma 3's local layers. Empty: every layer full. The torch path only.
+    windows: tuple[int, ...] = ()
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
 
 
 def build_metadata(
@@ -97,13 +111,16 @@ def build_metadata(
     gather_budget: int | None = None,
     batch_invariant: bool = False,
     paged_decode_kernel: bool = False,
+    windows: tuple[int, ...] = (),
 ) -> AttentionMetadata:
     """decodes: (block table, context length) per decode; prefills: (start, n, c, block table).
     gather_budget: bytes of K + V one decode group may gather (default: the device's).
     batch_invariant: shapes that depend only on each sequence (engine/attention/invariant.py);
     needs the pool. paged_decode_kernel: the decodes go through the CPU kernel (the caller
     checked engine.attention.cpu_kernels.wants_paged_decode); not with batch_invariant, whose tests pin
-    the torch path's shapes."""
+    the torch path's shapes. windows: per layer, 0 or a sliding window; the torch path only
+    (neither the kernel nor the batch-invariant tiles take one: the runner checks)."""
+    assert not (windows and (paged_decode_kernel or batch_invariant)), "windows: torch path"
     invariant = batch_invariant and kv_cache is not None  # the profiling run has no pool
     kv_heads = kv_cache.shape[3] if kv_cache is not None else 1
     slots = to_device(slot_mapping, torch.long, device)  # [T]
@@ -132,6 +149,7 @@ def build_metadata(
         decode_tables=tables[0] if tables else None,
         decode_lens=tables[1] if tables else None,
         fused_step=fused,
+        windows=windows if any(windows) else (),
     )
 
 
@@ -190,7 +208,7 @@ def _decode_groups(decodes: list[tuple[list[int], int]], spans: list[tuple[int, 
         offset += (e - s) * w
         positions = torch.arange(w * block_size, device=device)
         groups.append(DecodeGroup(s, e, pool_rows(table, kv_heads),
-                                  positions[None, :] < ctx[s:e, None]))
+                                  positions[None, :] < ctx[s:e, None], ctx[s:e]))
     return tuple(groups)
 
 
@@ -208,9 +226,7 @@ def _prefill_chunk(start: int, n: int, c: int, table: list[int], block_size: int
     if c == 0 and not invariant:  # the whole context is in this step's k/v: plain causal
         return PrefillChunk(start, n, 0, None, None)
     blocks = to_device(table[:-(-(c + n) // block_size)], torch.long, device)
-    pos = torch.arange(c + n, device=device)
-    mask = pos[None, :] <= (c + torch.arange(n, device=device))[:, None]  # query i is at c + i
-    return PrefillChunk(start, n, c, pool_rows(blocks[None], kv_heads), mask)
+    return PrefillChunk(start, n, c, pool_rows(blocks[None], kv_heads), causal(n, c, device))
 
 
 def register() -> None:
@@ -295,19 +311,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale:
         out[:d] = torch.ops.pagedserve_cpu.paged_decode(
             q[:, :d].transpose(0, 1).contiguous(), k_pool, v_pool, meta.decode_tables,
             meta.decode_lens, scale)
+    window = meta.window(layer)
     for group in meta.decode_groups:
         assert k_pool is not None and v_pool is not None, "decodes read the pool"
         out[group.start:group.end] = decode_attention(q[:, group.start:group.end], k_pool,
-                                                      v_pool, group, scale)
-    attend_prefills(q, k, v, k_pool, v_pool, meta, scale, out)
+                                                      v_pool, group, scale, window)
+    attend_prefills(q, k, v, k_pool, v_pool, meta, scale, out, window)
     return out
 
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor | None, v_pool: torch.Tensor | None,
-                    meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+                    meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                    window: int = 0) -> None:
     """Each prefill chunk's attention into its rows of out [T, H, hd] (q [H, T, hd], k/v
-    [kvH, T, hd]); the step's new K/V are in the pool already."""
+    [kvH, T, hd]); the step's new K/V are in the pool already. `window`: the layer's
+    sliding window (0: none)."""
     for chunk in meta.prefills:
         if meta.batch_invariant:
             # Its context from the pool, whatever part of it this step computed.
@@ -318,7 +337,7 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                            k_ctx, v_ctx, chunk.num_computed, meta.block_size,
                                            scale)
         else:
-            part = prefill_attention(q, k, v, k_pool, v_pool, chunk, scale)
+            part = prefill_attention(q, k, v, k_pool, v_pool, chunk, scale, window)
         out[chunk.start:chunk.start + chunk.num_tokens] = part
 
 
@@ -339,7 +358,7 @@ def gather_context(pool: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     group: DecodeGroup, scale: float) -> torch.Tensor:
+                     group: DecodeGroup, scale: float, window: int = 0) -> torch.Tensor:
     """q [H, g, hd], one query per sequence of the group -> [g, H, hd].
 
     Gathers each sequence's blocks into a padded [g, kvH, C, hd] and runs two bmm calls with
@@ -353,25 +372,46 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     v = gather_context(v_pool, group.rows, d).view(d * kv_heads, ctx, head_dim)
     qg = q.transpose(0, 1).reshape(d * kv_heads, heads // kv_heads, head_dim)  # q head h: kv h // G
     scores = torch.bmm(qg, k.transpose(1, 2)).view(d, kv_heads, -1, ctx).float() * scale
-    scores.masked_fill_(~group.mask[:, None, None, :], float("-inf"))
+    scores.masked_fill_(~group.window_mask(window)[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(d * kv_heads, -1, ctx)
     return torch.bmm(probs, v).view(d, heads, head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_pool: torch.Tensor | None, v_pool: torch.Tensor | None,
-                      chunk: PrefillChunk, scale: float) -> torch.Tensor:
-    """One prefill chunk: q [H, T, hd] (packed) -> [n, H, hd]."""
+                      chunk: PrefillChunk, scale: float, window: int = 0) -> torch.Tensor:
+    """One prefill chunk: q [H, T, hd] (packed) -> [n, H, hd]; `window`: query i (at c + i)
+    sees only keys after c + i - window (0: all before it)."""
     s, n, c = chunk.start, chunk.num_tokens, chunk.num_computed
     qs = q[None, :, s:s + n]  # [1, H, n, hd]
     if chunk.rows is None:
         ks, vs = k[None, :, s:s + n], v[None, :, s:s + n]
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        if window and n > window:
+            out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True,
+                                                 attn_mask=windowed(causal(n, 0, q.device),
+                                                                    0, window))
+        else:  # the window covers the chunk: plain causal
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
     else:
-        assert k_pool is not None and v_pool is not None
+        assert k_pool is not None and v_pool is not None and chunk.mask is not None
         ks = gather_context(k_pool, chunk.rows, 1)[:, :, :c + n]  # [1, kvH, c + n, hd]
         vs = gather_context(v_pool, chunk.rows, 1)[:, :, :c + n]
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.mask, scale=scale,
+        mask = windowed(chunk.mask, c, window) if window and c + n > window else chunk.mask
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                              enable_gqa=True)
     return out[0].transpose(0, 1)  # [n, H, hd]
+
+
+def causal(n: int, c: int, device: torch.device) -> torch.Tensor:
+    """[n, c + n] bool: query i (at position c + i) sees keys 0 .. c + i."""
+    pos = torch.arange(c + n, device=device)
+    return pos[None, :] <= (c + torch.arange(n, device=device))[:, None]
+
+
+def windowed(mask: torch.Tensor, c: int, window: int) -> torch.Tensor:
+    """A causal [n, c + n] mask cut to a sliding window: query i also needs key position
+    > c + i - window (the last `window` tokens, itself included, as transformers' mask)."""
+    n, total = mask.shape
+    pos = torch.arange(total, device=mask.device)
+    return mask & (pos[None, :] > (c + torch.arange(n, device=mask.device))[:, None] - window)

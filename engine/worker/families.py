@@ -4,13 +4,15 @@ test_families.py; docs/models.md). Any other `model_type` is refused before it l
 one line naming it, instead of failing at its first step (GPT-2) or at load (StableLM).
 
 Read from the checkpoint's config.json, or from a GGUF file's `general.architecture`, which
-costs no model load.
+costs no model load. Also here: which layers of a family slide, and over how many tokens
+(layer_windows), read from the loaded config.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 SUPPORTED_FAMILIES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi", "gemma", "granite", "olmo", "olmo2",
@@ -48,3 +50,20 @@ def check_supported(source: Path) -> None:
     raise UnsupportedModelError(
         f"{said} is not supported: pagedserve serves {', '.join(sorted(SUPPORTED_FAMILIES))} "
         "(docs/models.md)")
+
+
+def layer_windows(config: Any, num_layers: int) -> tuple[int, ...]:
+    """Per layer, the sliding window its attention has (0: full), as transformers' modules
+    apply it: `sliding_window` on every layer, or on the `layer_types` "sliding_attention"
+    ones where the config lists them (Qwen2's max_window_layers, Gemma 3); none unless
+    `use_sliding_window` allows. () when no layer slides."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return ()
+    types = getattr(config, "layer_types", None)
+    if types:
+        windows = tuple(int(window) if t == "sliding_attention" else 0
+                        for t in types[:num_layers])
+    else:
+        windows = (int(window),) * num_layers
+    return windows if any(windows) else ()

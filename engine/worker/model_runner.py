@@ -28,6 +28,7 @@ from engine.sample.sampling_batch import GrammarMasks, SamplingBatch, SamplingBa
 from engine.worker import huge_pages
 from engine.worker.cache_paths import cache_root
 from engine.worker.compile import CompiledForward, use_cache_dir, wants_compile
+from engine.worker.families import layer_windows
 from engine.worker.loader import load_model
 from engine.worker.runner_output import RequestFault, RunnerOutput
 from engine.worker.step_tensors import to_device
@@ -106,12 +107,15 @@ class ModelRunner:
         self.eos_token_ids = facts.eos_token_ids
         self.model_display_name = facts.display_name
         self.max_model_len = min(self.config.scheduler.max_model_len,
-                                 facts.max_position_embeddings, self._sliding_window_cap())
+                                 facts.max_position_embeddings)
+        self.windows = self._sliding_windows()
         # Decode attention through our C++ kernel where it builds (CPU, fp32/bf16): before
-        # the pool and the warm-up, so both see the step the server will run.
-        self.paged_decode_kernel = (not self.config.batch_invariant and cpu_kernels.
-                                    wants_paged_decode(self.config.attention_backend,
-                                                       self.device, self.dtype))
+        # the pool and the warm-up, so both see the step the server will run. It has no
+        # sliding window: a model with one attends in torch.
+        self.paged_decode_kernel = (not self.config.batch_invariant and not self.windows
+                                    and cpu_kernels.wants_paged_decode(
+                                        self.config.attention_backend, self.device,
+                                        self.dtype))
         self.num_kv_blocks = self._num_blocks()
         self.kv_cache = self._new_pool(self.num_kv_blocks)
         self.sampling = SamplingBatchBuilder(self.vocab_size, self.eos_token_ids,
@@ -121,16 +125,17 @@ class ModelRunner:
                  self.model_display_name, self.device, self.dtype, self.num_kv_blocks,
                  self.block_size, "C++ kernel" if self.paged_decode_kernel else "torch")
 
-    def _sliding_window_cap(self) -> int:
-        """Our attention is always full: on a sliding-window model (Mistral v0.1) it is only
-        exact up to the window, so sequences are capped there rather than silently wrong."""
-        cfg = self.model.config.get_text_config()
-        window = getattr(cfg, "sliding_window", None)
-        if not window or getattr(cfg, "use_sliding_window", True) is False:
-            return 1 << 62
-        log.warning("sliding-window attention (window %d) is not implemented: max_model_len "
-                    "is capped at the window", window)
-        return int(window)
+    def _sliding_windows(self) -> tuple[int, ...]:
+        """Per layer, its sliding window (0: full attention); () when no layer slides
+        (engine/worker/families.py reads the config)."""
+        windows = layer_windows(self.model.config.get_text_config(), self.facts.num_layers)
+        if windows and self.config.batch_invariant:
+            raise ValueError("--batch-invariant does not support sliding-window attention "
+                             "yet (its tiled attention has no window)")
+        if windows:
+            log.info("sliding-window attention: window %d on %d of %d layers",
+                     max(windows), sum(1 for w in windows if w), len(windows))
+        return windows
 
     def _new_pool(self, num_blocks: int) -> torch.Tensor:
         """One pool for all layers: [layers, K/V, blocks, kvH, block_size, hd]; on the CPU on
@@ -223,7 +228,8 @@ class ModelRunner:
         slots = [(context - 1) % bs] * num_decodes + [p % bs for p in range(num_prefill)]
         prefills = [(num_decodes, num_prefill, 0, table)] if num_prefill else []
         meta = build_metadata(kv_cache, bs, slots, [(table, context)] * num_decodes, prefills,
-                              dev, paged_decode_kernel=self.paged_decode_kernel)
+                              dev, paged_decode_kernel=self.paged_decode_kernel,
+                              windows=self.windows)
         n = num_decodes + num_prefill
         positions = [context - 1] * num_decodes + list(range(num_prefill))
         kept = self.config.scheduler.max_num_seqs if keep_rows is None else keep_rows
@@ -273,7 +279,8 @@ class ModelRunner:
             metadata=build_metadata(self.kv_cache, self.block_size, flat.slots, flat.decodes,
                                     flat.prefills, dev,
                                     batch_invariant=self.config.batch_invariant,
-                                    paged_decode_kernel=self.paged_decode_kernel),
+                                    paged_decode_kernel=self.paged_decode_kernel,
+                                    windows=self.windows),
             keep=to_device(flat.keep, long, dev),
             sample_ids=[seq.seq_id for seq in sampled],
             sample_rows=to_device(rows, long, dev) if sampled else None,

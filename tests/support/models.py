@@ -51,7 +51,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2", {"tie_word_embeddings": True}),
     # q/k norms and an explicit head_dim (32 != hidden / heads)
     "qwen3": ("Qwen3", {"head_dim": 32}),
-    "mistral": ("Mistral", {"sliding_window": None}),  # the window: issue 33
+    "mistral": ("Mistral", {"sliding_window": None}),
+    # Sliding windows of 8 tokens, against prompts of 13-42: every layer, or the second only.
+    "mistral_window": ("Mistral", {"sliding_window": 8}),
+    "qwen2_window": ("Qwen2", {"use_sliding_window": True, "sliding_window": 8,
+                               "max_window_layers": 1}),
     "phi3": ("Phi3", {}),  # fused qkv_proj and gate_up_proj in the checkpoint
     "granite": ("Granite", {"embedding_multiplier": 2.0, "attention_multiplier": 0.25,
                             "residual_multiplier": 0.5, "logits_scaling": 2.0}),
