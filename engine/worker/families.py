@@ -16,9 +16,10 @@ from typing import Any
 
 SUPPORTED_FAMILIES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi", "gemma", "granite", "olmo", "olmo2",
-    "smollm3", "qwen3_moe", "cohere", "starcoder2", "glm"})
+    "smollm3", "qwen3_moe", "cohere", "starcoder2", "glm", "gemma3_text"})
 # GGUF architecture names that differ from transformers' model_type.
-GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "command-r": "cohere", "phi2": "phi"}
+GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "command-r": "cohere", "phi2": "phi",
+                      "gemma3": "gemma3_text"}
 
 
 class UnsupportedModelError(ValueError):

@@ -45,7 +45,8 @@ def build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-# Each family's tiny shape beyond the common one (transformers' config and model class names).
+# Each family's tiny shape beyond the common one; the name is transformers' class prefix
+# ("Config/Model" where the two differ).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("Llama", {}),
     "qwen2": ("Qwen2", {"tie_word_embeddings": True}),
@@ -56,6 +57,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral_window": ("Mistral", {"sliding_window": 8}),
     "qwen2_window": ("Qwen2", {"use_sliding_window": True, "sliding_window": 8,
                                "max_window_layers": 1}),
+    # Gemma 3's text model: a local (sliding) layer and a global one, each with its own RoPE.
+    "gemma3_text": ("Gemma3Text/Gemma3", {"head_dim": 16, "sliding_window": 8,
+                                          "layer_types": ["sliding_attention",
+                                                          "full_attention"]}),
     "phi3": ("Phi3", {}),  # fused qkv_proj and gate_up_proj in the checkpoint
     "granite": ("Granite", {"embedding_multiplier": 2.0, "attention_multiplier": 0.25,
                             "residual_multiplier": 0.5, "logits_scaling": 2.0}),
@@ -83,8 +88,9 @@ def build_checkpoint(folder: Path, arch: str) -> Path:
               "pad_token_id": 1}
     torch.manual_seed(0)
     name, extra = FAMILIES[arch]
-    config = getattr(transformers, f"{name}Config")(**common, **extra)
-    model: PreTrainedModel = getattr(transformers, f"{name}ForCausalLM")(config)
+    config_name, model_name = (name, name) if "/" not in name else name.split("/")
+    config = getattr(transformers, f"{config_name}Config")(**common, **extra)
+    model: PreTrainedModel = getattr(transformers, f"{model_name}ForCausalLM")(config)
     # Larger-than-default weights spread the logits, so greedy ties (fp noise flips) are rare.
     with torch.no_grad():
         for p in model.parameters():
