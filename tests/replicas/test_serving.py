@@ -4,7 +4,7 @@ replica, /metrics and /health, and a focused subset of the API, through Ray.
 
 The tests share one cluster and one deployment (module fixtures) and run in file order: the
 killed replica, then the prefix-affinity comparison and autoscaling, which deploy apps of
-their own in its place, come last."""
+their own in its place, come last (those two are `heavy`: `pytest -m heavy`)."""
 
 from __future__ import annotations
 
@@ -346,6 +346,8 @@ def prefix_misses(url: str, prompts: list[list[int]], in_flight: int = 8) -> flo
     return missed(after) - missed(before)
 
 
+@pytest.mark.heavy  # ~35 s (two apps deployed in turn); tests/replicas/test_prefix_index.py
+# keeps the routing rule in the default run
 def test_prefix_aware_routing_misses_fewer_prefix_tokens(cluster: RayCluster,
                                                          tiny_model: Path) -> None:
     """Prefix-aware, then round-robin, each on fresh replicas with new prefixes. A 64-token
@@ -383,6 +385,7 @@ def keep_busy(url: str, in_flight: int, stop: threading.Event) -> None:
     asyncio.run(run())
 
 
+@pytest.mark.heavy  # ~45 s of scaling up and down; `pytest -m heavy` runs it
 def test_autoscaling_adds_a_replica_under_a_burst_and_drops_it_when_idle(
         cluster: RayCluster, tiny_model: Path) -> None:
     opts = ReplicaOptions(num_replicas=None, min_replicas=1, max_replicas=2,
