@@ -362,16 +362,19 @@ def test_without_api_key_everything_is_open() -> None:
             assert _call(client, route, {}).status_code == 200, route.path
 
 
+class Counting(FakeEngine):
+    """Records the length of every text it tokenizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokenized: list[int] = []
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.tokenized.append(len(text))
+        return await super().tokenize(text, add_special_tokens)
+
+
 def test_prompt_text_too_long_to_fit_is_refused_before_tokenizing() -> None:
-    class Counting(FakeEngine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tokenized: list[int] = []
-
-        async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            self.tokenized.append(len(text))
-            return await super().tokenize(text, add_special_tokens)
-
     engine = Counting()  # max_model_len 128; max_prompt_bytes 4 * 128 (a token: a character)
     with serve(engine) as client:
         for path, body, param in (
@@ -394,15 +397,6 @@ def test_prompt_text_too_long_to_fit_is_refused_before_tokenizing() -> None:
 def test_text_to_truncate_is_refused_past_its_bound_before_tokenizing() -> None:
     """issue 31: truncate_prompt_tokens skipped the size gate. A prompt to be truncated may
     exceed the context, up to TRUNCATED_TEXT_FACTOR contexts' worth of text."""
-    class Counting(FakeEngine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tokenized: list[int] = []
-
-        async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            self.tokenized.append(len(text))
-            return await super().tokenize(text, add_special_tokens)
-
     engine = Counting()  # max_prompt_bytes 4 * 128: the bound is 4 * 512 bytes
     bound = TRUNCATED_TEXT_FACTOR * 512
     with serve(engine) as client:

@@ -90,6 +90,15 @@ async def collect(stream: RequestStream) -> list[RequestOutput]:
         return [o async for o in stream]
 
 
+async def tokens_out(stream: RequestStream, n: int) -> None:
+    """Read the stream until it has given n tokens (it stays open)."""
+    got = 0
+    async for out in stream:
+        got += len(out.new_token_ids)
+        if got >= n:
+            return
+
+
 async def until(check: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + 10
     while not check():
@@ -151,11 +160,7 @@ def test_closing_a_stream_early_aborts_its_request(
         make_engine: Callable[[], EngineClient]) -> None:
     async def body(engine: EngineClient) -> None:
         stream = await engine.submit("gone", PROMPT, LONG)
-        got = 0
-        async for out in stream:
-            got += len(out.new_token_ids)
-            if got >= 2:
-                break
+        await tokens_out(stream, 2)
         await stream.aclose()
         await until(lambda: engine.stats().num_running == 0, "the aborted request still runs")
         outs = await collect(await engine.submit("next", PROMPT, GREEDY))
@@ -215,11 +220,7 @@ def test_live_view_shows_steps_blocks_and_running_requests(
         assert idle.name == SINGLE_ENGINE and idle.snapshot.requests == ()
         assert len(idle.snapshot.kv_blocks) == idle.stats.num_kv_blocks
         stream = await engine.submit("watched", PROMPT, LONG)
-        got = 0
-        async for out in stream:
-            got += len(out.new_token_ids)
-            if got >= 3:
-                break
+        await tokens_out(stream, 3)
         [view] = await engine.live_view({})
         await stream.aclose()
         [row] = view.snapshot.requests
