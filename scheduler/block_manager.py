@@ -14,6 +14,11 @@ chained hash (parent block's hash + its own token ids); each published block als
 its token ids and the cache id of its parent, and a lookup checks both, so neither a hash
 collision nor a stale parent can produce a false hit. Freed blocks keep their key and stay
 reusable until a fresh block is needed; then the least recently freed block is evicted.
+
+Sliding windows: when every layer of the model sees only its last `window` tokens (Mistral
+v0.1), blocks that fall wholly before any future query's window are released while the
+sequence runs (`release_out_of_window`); their table entries become NULL_BLOCK, always a
+prefix of the table, so positions still map to `block_table[i // block_size]`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from scheduler.sequence import Sequence
+
+NULL_BLOCK = -1  # a released out-of-window entry of a block table (a prefix of it)
 
 
 def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -130,6 +137,8 @@ class BlockManager:
         """Release seq's blocks. Published ones stay cached until evicted; tail blocks are
         released first so they are evicted before the shared prefix."""
         for block_id in reversed(seq.block_table):
+            if block_id == NULL_BLOCK:
+                break  # released already: the rest of the table before it is NULL too
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -137,6 +146,31 @@ class BlockManager:
         seq.block_table.clear()
         seq.block_hashes.clear()
         self._owners.pop(seq.seq_id, None)
+
+    def release_out_of_window(self, seq: Sequence, window: int) -> int:
+        """Release seq's blocks that no future query can see when every layer attends only
+        to its last `window` tokens (call after advancing computed and publishing). The next
+        query sits at num_computed_tokens and sees positions >= num_computed_tokens - window
+        + 1, so a block ending before that is dead. The block at len(block_hashes) - 1 is
+        kept: cache_full_blocks reads it as the parent of the next block it publishes.
+        Released published blocks stay in the prefix cache. Returns how many it released."""
+        dead = max(0, seq.num_computed_tokens - window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            dead = min(dead, len(seq.block_hashes) - 1)
+        released = 0
+        for i in range(dead):
+            block_id = seq.block_table[i]
+            if block_id == NULL_BLOCK:
+                continue
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+            seq.block_table[i] = NULL_BLOCK
+            released += 1
+        if released and all(b == NULL_BLOCK for b in seq.block_table):
+            self._owners.pop(seq.seq_id, None)  # holds nothing (window 1, no prefix caching)
+        return released
 
     # -- publishing --------------------------------------------------------------------------
 
@@ -150,6 +184,7 @@ class BlockManager:
             ids = self._block_tokens(seq, i)
             h = block_hash(parent, ids)
             seq.block_hashes.append(h)
+            # Never NULL: release_out_of_window keeps the block at len(block_hashes) - 1.
             parent_block = self.blocks[seq.block_table[i - 1]] if i > 0 else None
             # A duplicate (same content computed twice) or a collision stays private, and so
             # do its descendants: a lookup walk can never reach them.
@@ -217,9 +252,11 @@ class BlockManager:
         """How many block tables hold each block, checking each table on the way."""
         refs = [0] * self.num_blocks
         for seq in self._owners.values():
-            assert seq.block_table, f"owner {seq!r} holds no blocks"
-            assert len(set(seq.block_table)) == len(seq.block_table), f"repeated block: {seq!r}"
+            held = [b for b in seq.block_table if b != NULL_BLOCK]
+            assert held, f"owner {seq!r} holds no blocks"
+            assert seq.block_table[-len(held):] == held, f"NULL past a held block: {seq!r}"
+            assert len(set(held)) == len(held), f"repeated block: {seq!r}"
             assert len(seq.block_hashes) <= len(seq.block_table), f"hashes > blocks: {seq!r}"
-            for block_id in seq.block_table:
+            for block_id in held:
                 refs[block_id] += 1
         return refs

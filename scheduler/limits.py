@@ -19,6 +19,10 @@ class EngineLimits:
     # A prompt text longer than this (UTF-8 bytes) cannot tokenize into max_prompt_len tokens,
     # so it is refused before the (costly: ~1 s/MB) tokenization; None: no such bound known.
     max_prompt_bytes: int | None = None
+    # Every layer of the model attends only to its last this-many tokens (Mistral v0.1): the
+    # scheduler releases blocks that fall out of it while a sequence runs. 0: some layer sees
+    # the whole context (full attention, or mixed like Gemma 3), so every block is kept.
+    sliding_window: int = 0
 
     @property
     def max_prompt_len(self) -> int:

@@ -284,6 +284,8 @@ class Scheduler:
             sampled = output.samples(i)  # before advancing: it compares computed with total
             seq.num_computed_tokens += output.num_scheduled_tokens[i]
             self.block_manager.cache_full_blocks(seq)
+            if self.limits.sliding_window:
+                self.block_manager.release_out_of_window(seq, self.limits.sliding_window)
             if sampled:
                 self._on_sample(seq, sampled_token_ids[seq.seq_id])
                 done.append(seq)

@@ -9,7 +9,8 @@ only on its own sequence and position.
   b*bs .. b*bs + bs - 1) attend as one [bs x (b + 1) * bs] tile, rows outside the chunk
   zero and masked keys at -inf, whatever the chunk's start and length. So a prompt
   position gives the same bits whether its prompt came in one chunk or several, next to
-  other sequences or alone (prompts are chunked differently in a busy step).
+  other sequences or alone (prompts are chunked differently in a busy step). A sliding
+  window is a mask on the same tile, so it changes no shape.
 
 A decode and a prefill of the same position still use different shapes (padding every
 decode to a block of queries would cost block_size times the decode attention), so a
@@ -22,10 +23,12 @@ import torch
 
 
 def tiled_prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
-                            num_computed: int, block_size: int, scale: float) -> torch.Tensor:
+                            num_computed: int, block_size: int, scale: float,
+                            window: int = 0) -> torch.Tensor:
     """One prefill chunk's queries q [H, n, hd] (its K/V already in the pool) over its
     sequence's context as gathered from the pool, k_ctx, v_ctx [kvH, nb * bs, hd], where
-    num_computed tokens came before the chunk -> [n, H, hd]."""
+    num_computed tokens came before the chunk -> [n, H, hd]. window: each query sees its
+    last `window` positions (0: all)."""
     heads, n, head_dim = q.shape
     kv_heads, bs, c = k_ctx.shape[0], block_size, num_computed
     out = q.new_empty(n, heads, head_dim)
@@ -34,13 +37,13 @@ def tiled_prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.T
         tile = q.new_zeros(heads, bs, head_dim)
         tile[:, lo - b * bs:hi - b * bs] = q[:, lo - c:hi - c]
         res = _block_tile(tile, k_ctx[:, :(b + 1) * bs], v_ctx[:, :(b + 1) * bs], kv_heads,
-                          scale)  # [H, bs, hd]
+                          scale, window)  # [H, bs, hd]
         out[lo - c:hi - c] = res[:, lo - b * bs:hi - b * bs].transpose(0, 1)
     return out
 
 
 def _block_tile(tile: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int = 0) -> torch.Tensor:
     """Queries of one block, tile [H, bs, hd], over keys k, v [kvH, W, hd] where
     W = (b + 1) * bs; query row r sits at position W - bs + r -> [H, bs, hd]."""
     heads, bs, head_dim = tile.shape
@@ -49,7 +52,10 @@ def _block_tile(tile: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: 
     scores = torch.bmm(qg, k.transpose(1, 2)).float() * scale  # [kvH, G * bs, W]
     keys = torch.arange(width, device=tile.device)
     rows = torch.arange(bs, device=tile.device) + (width - bs)
-    visible = (keys[None, :] <= rows[:, None]).repeat(heads // kv_heads, 1)  # [G * bs, W]
+    visible = keys[None, :] <= rows[:, None]
+    if window:
+        visible &= keys[None, :] > rows[:, None] - window
+    visible = visible.repeat(heads // kv_heads, 1)  # [G * bs, W]
     scores.masked_fill_(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(tile.dtype)
     return torch.bmm(probs, v).view(heads, bs, head_dim)

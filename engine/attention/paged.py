@@ -94,7 +94,7 @@ class AttentionMetadata:
     # one SDPA per prefill chunk.
     fused_step: bool = False
     # Per layer, how many of the latest tokens a query sees (0: all): Mistral's sliding
-    # window, Gemma 3's local layers. Empty: every layer full. The torch path only.
+    # window, Gemma 3's local layers. Empty: every layer full.
     windows: tuple[int, ...] = ()
 
     def window(self, layer: int) -> int:
@@ -118,9 +118,7 @@ def build_metadata(
     batch_invariant: shapes that depend only on each sequence (engine/attention/invariant.py);
     needs the pool. paged_decode_kernel: the decodes go through the CPU kernel (the caller
     checked engine.attention.cpu_kernels.wants_paged_decode); not with batch_invariant, whose tests pin
-    the torch path's shapes. windows: per layer, 0 or a sliding window; the torch path only
-    (neither the kernel nor the batch-invariant tiles take one: the runner checks)."""
-    assert not (windows and (paged_decode_kernel or batch_invariant)), "windows: torch path"
+    the torch path's shapes. windows: per layer, 0 or a sliding window."""
     invariant = batch_invariant and kv_cache is not None  # the profiling run has no pool
     kv_heads = kv_cache.shape[3] if kv_cache is not None else 1
     slots = to_device(slot_mapping, torch.long, device)  # [T]
@@ -286,12 +284,14 @@ def fused_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
     fills its rows. Measured on the 2-core Sapphire Rapids, SmolLM2 bf16, compiled, 64
     decodes + one 100-token prompt against the unfused path, alternating: 83.8 -> 81.1 ms."""
     assert meta.kv_cache is not None, "the fused step needs the pool"
+    window = meta.window(layer)
     out = torch.ops.pagedserve_cpu.paged_decode_step(
         query, key, value, meta.kv_cache, layer, meta.write_blocks, meta.write_offsets,
-        meta.decode_tables, meta.decode_lens, scale)  # [1, T, H, hd]
+        meta.decode_tables, meta.decode_lens, scale, window)  # [1, T, H, hd]
     if meta.prefills:
         k_pool, v_pool = meta.kv_cache[layer]
-        attend_prefills(query[0], key[0], value[0], k_pool, v_pool, meta, scale, out[0])
+        attend_prefills(query[0], key[0], value[0], k_pool, v_pool, meta, scale, out[0],
+                        window)
     return out
 
 
@@ -305,13 +305,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale:
         k_pool, v_pool = meta.kv_cache[layer]  # each [blocks, kvH, block_size, hd]
         write_kv(k_pool, v_pool, k, v, meta)
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, hd]
+    window = meta.window(layer)
     if meta.decode_tables is not None:
         assert k_pool is not None and v_pool is not None, "decodes read the pool"
         d = meta.num_decodes
         out[:d] = torch.ops.pagedserve_cpu.paged_decode(
             q[:, :d].transpose(0, 1).contiguous(), k_pool, v_pool, meta.decode_tables,
-            meta.decode_lens, scale)
-    window = meta.window(layer)
+            meta.decode_lens, scale, window)
     for group in meta.decode_groups:
         assert k_pool is not None and v_pool is not None, "decodes read the pool"
         out[group.start:group.end] = decode_attention(q[:, group.start:group.end], k_pool,
@@ -335,7 +335,7 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             v_ctx = gather_context(v_pool, chunk.rows, 1)[0]
             part = tiled_prefill_attention(q[:, chunk.start:chunk.start + chunk.num_tokens],
                                            k_ctx, v_ctx, chunk.num_computed, meta.block_size,
-                                           scale)
+                                           scale, window)
         else:
             part = prefill_attention(q, k, v, k_pool, v_pool, chunk, scale, window)
         out[chunk.start:chunk.start + chunk.num_tokens] = part

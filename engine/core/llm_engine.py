@@ -40,6 +40,7 @@ from engine.protocol import EngineLimits, EngineStats, InvalidParamError, check_
 from engine.snapshot import EngineSnapshot
 from engine.structured_output.manager import StructuredOutputs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.worker.families import released_window
 from engine.worker.model_runner import ModelRunner
 from engine.worker.runner_output import RequestFault, RunnerOutput
 from scheduler import stop_policy
@@ -99,7 +100,8 @@ class LLMEngine:
         return EngineLimits(max_model_len=max_len, num_kv_blocks=num_blocks,
                             block_size=r.block_size, vocab_size=r.vocab_size,
                             eos_token_ids=frozenset(r.eos_token_ids),
-                            max_prompt_bytes=max_bytes)
+                            max_prompt_bytes=max_bytes,
+                            sliding_window=released_window(r.windows))
 
     def _load_structured(self) -> None:
         """The grammar backend's token table (on this thread: it reads the tokenizer). A

@@ -52,6 +52,7 @@ from engine.attention import compile_op  # noqa: F401  (registers torch.ops.page
 from engine.attention.compile_op import forward_context
 from engine.attention.paged import AttentionMetadata
 from engine.config import EngineConfig
+from engine.worker.families import logit_transform
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class CompiledForward:
     def __init__(self, model: torch.nn.Module, max_tokens: int, dynamic: bool = False) -> None:
         self.decoder: torch.nn.Module = model.get_decoder()  # type: ignore[operator]
         self.head: torch.nn.Module = model.get_output_embeddings()  # type: ignore[operator]
+        # Granite's and Cohere's scales, Gemma's soft cap: the CausalLM forward's last step.
+        self.transform = logit_transform(model.config.get_text_config())  # type: ignore[union-attr,operator]
         self.dynamic = dynamic
         self.buckets = [max_tokens] if dynamic else token_buckets(max_tokens)
         # Dynamo keeps at most cache_size_limit graphs per code object, and every runner's
@@ -186,7 +189,8 @@ class CompiledForward:
 
     def logits(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """The LM head on the kept rows only: [K, vocab]."""
-        return self.head(hidden[0].index_select(0, keep))
+        logits = self.head(hidden[0].index_select(0, keep))
+        return logits if self.transform is None else self.transform(logits)
 
 
 # Guards that stay: the inputs' shapes, dtypes and strides (they pick the graph: a bucket, or

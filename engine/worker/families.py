@@ -11,8 +11,12 @@ costs no model load. Also here: which layers of a family slide, and over how man
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch only where a model is loaded: the CLI's family check runs without it
+    import torch
 
 SUPPORTED_FAMILIES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi", "gemma", "granite", "olmo", "olmo2",
@@ -68,3 +72,27 @@ def layer_windows(config: Any, num_layers: int) -> tuple[int, ...]:
     else:
         windows = (int(window),) * num_layers
     return windows if any(windows) else ()
+
+
+def released_window(windows: tuple[int, ...]) -> int:
+    """The window beyond which a sequence's KV blocks may be released: only when every layer
+    slides (then the widest window; Mistral v0.1). 0 when any layer sees the whole context
+    (Gemma 3's global layers, Qwen2's full layers): those keep every block."""
+    return max(windows) if windows and all(windows) else 0
+
+
+def logit_transform(config: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What a family's CausalLM forward does to the LM head's output, for a step that
+    applies the head itself (the compiled step): Granite divides by `logits_scaling`,
+    Cohere multiplies by `logit_scale`, Gemma 2/3 soft-cap by `final_logit_softcapping`.
+    None: the head's output is the logits (every other family served)."""
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling not in (None, 1.0):
+        return lambda logits: logits / scaling
+    scale = getattr(config, "logit_scale", None)
+    if scale not in (None, 1.0):
+        return lambda logits: logits * scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        return lambda logits: (logits / cap).tanh() * cap
+    return None

@@ -32,6 +32,7 @@ from engine.worker.families import layer_windows
 from engine.worker.loader import load_model
 from engine.worker.runner_output import RequestFault, RunnerOutput
 from engine.worker.step_tensors import to_device
+from scheduler.block_manager import NULL_BLOCK
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence
 
@@ -110,9 +111,8 @@ class ModelRunner:
                                  facts.max_position_embeddings)
         self.windows = self._sliding_windows()
         # Decode attention through our C++ kernel where it builds (CPU, fp32/bf16): before
-        # the pool and the warm-up, so both see the step the server will run. It has no
-        # sliding window: a model with one attends in torch.
-        self.paged_decode_kernel = (not self.config.batch_invariant and not self.windows
+        # the pool and the warm-up, so both see the step the server will run.
+        self.paged_decode_kernel = (not self.config.batch_invariant
                                     and cpu_kernels.wants_paged_decode(
                                         self.config.attention_backend, self.device,
                                         self.dtype))
@@ -129,9 +129,6 @@ class ModelRunner:
         """Per layer, its sliding window (0: full attention); () when no layer slides
         (engine/worker/families.py reads the config)."""
         windows = layer_windows(self.model.config.get_text_config(), self.facts.num_layers)
-        if windows and self.config.batch_invariant:
-            raise ValueError("--batch-invariant does not support sliding-window attention "
-                             "yet (its tiled attention has no window)")
         if windows:
             log.info("sliding-window attention: window %d on %d of %d layers",
                      max(windows), sum(1 for w in windows if w), len(windows))
@@ -305,10 +302,11 @@ class ModelRunner:
             flat.ids += seq.token_ids[c:c + n]
             flat.positions += range(c, c + n)
             flat.slots += (self._slot(seq.block_table, p) for p in range(c, c + n))
+            table, shift = self._held_blocks(seq.block_table)
             if n == 1:
-                flat.decodes.append((seq.block_table, c + 1))
+                flat.decodes.append((table, c + 1 - shift))
             else:
-                flat.prefills.append((start, n, c, seq.block_table))
+                flat.prefills.append((start, n, c - shift, table))
             first, targets = self._prompt_positions(seq, c, n)
             if targets:
                 flat.prompt_rows.append(PromptRows(seq.seq_id, len(flat.keep), len(targets),
@@ -320,6 +318,16 @@ class ModelRunner:
                 flat.sample_rows.append((i, len(flat.keep)))
                 flat.keep.append(start + n - 1)
         return flat
+
+    def _held_blocks(self, table: list[int]) -> tuple[list[int], int]:
+        """A block table without the leading blocks the scheduler released out of a sliding
+        window (NULL_BLOCK), and how many tokens they covered. Attention sees the rest as a
+        context that starts at 0: K carries its rotary position already, and the window's
+        mask counts back from the end, so shifting every position alike changes nothing."""
+        if not table or table[0] != NULL_BLOCK:
+            return table, 0
+        k = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+        return table[k:], k * self.block_size
 
     def _slot(self, table: list[int], pos: int) -> int:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -11,7 +11,7 @@ import torch
 from engine.layers import batch_invariant
 from engine.worker.model_runner import ModelRunner
 from scheduler.sequence import Sequence
-from tests.support.models import drive, greedy_seq, loaded_runner, tiny_config
+from tests.support.models import build_checkpoint, drive, greedy_seq, loaded_runner, tiny_config
 
 TARGET = list(range(20, 43))  # 23 tokens: crosses several 4-token KV blocks
 OTHERS = [[5, 9, 13, 200, 17], [42] * 3 + list(range(60, 90)), list(range(100, 113)), [7],
@@ -40,9 +40,15 @@ def target_logits(runner: ModelRunner, others: list[list[int]], chunk: int,
     return seen
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def invariant_runner(request: pytest.FixtureRequest) -> ModelRunner:
-    folder: Path = request.getfixturevalue(f"tiny_{request.param}")
+@pytest.fixture(scope="module", params=["llama", "qwen3", "mistral_window"])
+def invariant_runner(request: pytest.FixtureRequest,
+                     tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    """mistral_window: every layer slides over 8 tokens, so the 23-token target outgrows it
+    (issue 33: the tiles and the decode groups take the window)."""
+    if request.param == "mistral_window":
+        folder = build_checkpoint(tmp_path_factory.mktemp("tiny-mistral-bi"), "mistral_window")
+    else:
+        folder = request.getfixturevalue(f"tiny_{request.param}")
     return loaded_runner(tiny_config(folder, dtype="bfloat16", batch_invariant=True,
                                      num_kv_blocks=256))
 
@@ -83,3 +89,24 @@ def test_enable_wraps_per_token_modules_once(tiny_llama: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     # 2 layers x (q, k, v, o, MLP, 2 norms) + final norm + lm_head + rotary
     assert batch_invariant.enable(model) == 2 * 7 + 3
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 8, 30])
+def test_the_tiles_take_a_sliding_window_as_sdpa_does(window: int) -> None:
+    """The tiled prefill (c = 6 computed, a 13-token chunk, blocks of 4) against SDPA with
+    the same causal, windowed mask (fp32)."""
+    from engine.attention.invariant import tiled_prefill_attention
+    from engine.attention.paged import causal, windowed
+
+    gen = torch.Generator().manual_seed(0)
+    c, n, bs, heads, kv_heads, hd = 6, 13, 4, 4, 2, 8
+    width = -(-(c + n) // bs) * bs
+    q = torch.randn(heads, n, hd, generator=gen)
+    k, v = (torch.randn(kv_heads, width, hd, generator=gen) for _ in range(2))
+    got = tiled_prefill_attention(q, k, v, c, bs, 0.3, window)
+    mask = causal(n, c, q.device)
+    mask = windowed(mask, c, window) if window else mask
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None, :, :c + n], v[None, :, :c + n], attn_mask=mask, scale=0.3,
+        enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

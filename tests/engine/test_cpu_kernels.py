@@ -30,7 +30,7 @@ def kernel() -> None:
 
 
 def decode_step(contexts: list[int], dtype: torch.dtype, kernel: bool, seed: int = 0,
-                pool: torch.Tensor | None = None
+                pool: torch.Tensor | None = None, window: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """One layer's decode step: a shuffled pool, one query per context. Returns the pool, the
     queries [H, D, hd], the new K/V [2, kvH, D, hd] and the metadata."""
@@ -46,14 +46,15 @@ def decode_step(contexts: list[int], dtype: torch.dtype, kernel: bool, seed: int
         tables.append(table)
         slots.append(table[(c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK)
     meta = build_metadata(pool, BLOCK, slots, list(zip(tables, contexts)), [],
-                          torch.device("cpu"), paged_decode_kernel=kernel)
+                          torch.device("cpu"), paged_decode_kernel=kernel, windows=(window,))
     q = torch.randn(HEADS, len(contexts), HEAD_DIM, generator=gen).to(dtype)
     kv = torch.randn(2, KV_HEADS, len(contexts), HEAD_DIM, generator=gen).to(dtype)
     return pool, q, kv, meta
 
 
-def run(contexts: list[int], dtype: torch.dtype, kernel: bool, seed: int = 0) -> torch.Tensor:
-    _, q, kv, meta = decode_step(contexts, dtype, kernel, seed)
+def run(contexts: list[int], dtype: torch.dtype, kernel: bool, seed: int = 0,
+        window: int = 0) -> torch.Tensor:
+    _, q, kv, meta = decode_step(contexts, dtype, kernel, seed, window=window)
     with torch.inference_mode():
         return attend(q, kv[0], kv[1], 0, HEAD_DIM ** -0.5, meta)
 
@@ -92,6 +93,24 @@ CONTEXTS = [1, 15, 16, 17, 100, 333, 40, 2]  # block edges, a single token, long
 def test_float32_matches_the_torch_path() -> None:
     torch.testing.assert_close(run(CONTEXTS, torch.float32, True),
                                run(CONTEXTS, torch.float32, False), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 1000])
+def test_a_sliding_window_matches_the_torch_path(window: int) -> None:
+    """issue 33: a sliding-window layer's decodes through the kernel (the window's first
+    block is read whole, its rows before the window weigh 0), unfused and fused."""
+    torch.testing.assert_close(run(CONTEXTS, torch.float32, True, window=window),
+                               run(CONTEXTS, torch.float32, False, window=window),
+                               atol=1e-5, rtol=1e-5)
+    if window < max(CONTEXTS):  # the window changes the answer
+        assert not torch.allclose(run(CONTEXTS, torch.float32, True, window=window),
+                                  run(CONTEXTS, torch.float32, True), atol=1e-3)
+    _, q, kv, meta = decode_step(CONTEXTS, torch.float32, True, window=window)
+    assert meta.fused_step
+    with torch.inference_mode():
+        fused = attend_step(q[None], kv[0][None], kv[1][None], 0, HEAD_DIM ** -0.5, meta)
+    torch.testing.assert_close(fused[0], run(CONTEXTS, torch.float32, False, window=window),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_is_at_least_as_close_to_float64_as_the_torch_path() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.attention import cpu_kernels
 from engine.worker.loader import load_model
 from engine.worker.model_runner import ModelRunner
 from scheduler.sampling_params import SamplingParams
@@ -41,7 +42,9 @@ def test_family_matches_hf_generate_token_for_token(
         family: tuple[str, Path, ModelRunner]) -> None:
     arch, folder, runner = family
     if arch.endswith("_window") or arch == "gemma3_text":  # not clamped to the window
-        assert runner.windows and runner.max_model_len == 256 and not runner.paged_decode_kernel
+        assert runner.windows and runner.max_model_len == 256
+        # the C++ decode kernel takes the window, where it builds
+        assert runner.paged_decode_kernel == cpu_kernels.paged_decode_available()
     hf = load_model(str(folder), device="cpu", dtype="float32").model
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(3, runner.vocab_size, (12,), generator=gen).tolist()  # 3 blocks
@@ -54,7 +57,7 @@ def test_family_matches_hf_generate_token_for_token(
     later = {0: [first], 3: rest}  # the others arrive once the shared prefix is cached
     for sched in ({"max_num_batched_tokens": 256},  # prefix-cache hits
                   {"max_num_batched_tokens": 8},  # chunked prefill
-                  {"max_num_batched_tokens": 256, "num_kv_blocks": 16}):  # preemption
+                  {"max_num_batched_tokens": 16, "num_kv_blocks": 14}):  # preemption
         engine = make_engine(runner, **sched)  # type: ignore[arg-type]
         arrivals = None if "num_kv_blocks" in sched else later
         assert run(engine, prompts, params, arrivals) == want, (arch, sched)
@@ -64,6 +67,56 @@ def test_family_matches_hf_generate_token_for_token(
         else:
             assert stats.prefix_cache_hits > 0
         assert_all_free(engine)
+
+
+def test_an_all_sliding_model_holds_only_its_window(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Mistral with a window of 8 on every layer, blocks of 4: a sequence at 4x the window
+    holds the window's blocks (plus the one being filled and the parent kept for the prefix
+    cache), not its whole context; its tokens are still HF generate()'s."""
+    folder = build_checkpoint(tmp_path_factory.mktemp("tiny-mistral-held"), "mistral_window")
+    runner = loaded_runner(tiny_config(folder))
+    engine = make_engine(runner, max_num_batched_tokens=256)
+    assert engine.limits.sliding_window == 8
+    prompt = torch.randint(3, runner.vocab_size, (32,),
+                           generator=torch.Generator().manual_seed(2)).tolist()
+    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=NEW))
+    seq = engine.scheduler.get("long")
+    assert seq is not None
+    got: list[int] = []
+    most = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            got.extend(o.new_token_ids)
+        if not seq.is_finished:
+            most = max(most, sum(1 for b in seq.block_table if b >= 0))
+            assert len(seq.block_table) >= 8  # its context: 32+ tokens, 8+ blocks
+    assert most <= 8 // 4 + 2
+    hf = load_model(str(folder), device="cpu", dtype="float32").model
+    assert got == hf_greedy(hf, prompt, NEW)
+    assert_all_free(engine)
+
+
+# Compiled in the default run: the sliding-window families (every layer, and local + global
+# layers). Each other family compiles in ~8 s here, so those run with `pytest -m heavy`.
+COMPILED_BY_DEFAULT = {"mistral_window", "gemma3_text"}
+
+
+@pytest.mark.parametrize("arch", [
+    pytest.param(a, marks=() if a in COMPILED_BY_DEFAULT else pytest.mark.heavy)
+    for a in FAMILIES])
+def test_the_compiled_step_matches_eager(arch: str,
+                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The compiled step (dynamic token count: the default) against eager, step by step in
+    lockstep on the same block tables: prefill, chunked prefill, decode-only and mixed steps
+    (tests/engine/test_compiled.py's plan); sequence 0 outgrows an 8-token window."""
+    from tests.engine.test_compiled import TOL, compiled_config, run_lockstep
+
+    folder = build_checkpoint(tmp_path_factory.mktemp(f"tiny-compiled-{arch}"), arch)
+    eager = loaded_runner(tiny_config(folder))
+    compiled = loaded_runner(compiled_config(folder, compile_dynamic=True))
+    assert compiled.compiled is not None and compiled.windows == eager.windows
+    assert run_lockstep(eager, compiled) < TOL
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +156,71 @@ def test_the_family_is_read_from_config_json_or_the_gguf_metadata(tiny_gpt2: Pat
 
     assert model_type_of(tiny_gpt2) == "gpt2"
     assert model_type_of(embedded_gguf()) == "llama"  # the embedded SmolLM2's Q4_1 file
+
+
+@pytest.mark.parametrize("arch", ["granite", "cohere", "gemma3_text", "llama"])
+def test_the_compiled_steps_head_applies_the_familys_logit_transform(
+        arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The compiled step applies the LM head itself; Granite's logits_scaling, Cohere's
+    logit_scale and Gemma's final soft cap are the CausalLM forward's last step, so it
+    applies them too (logit_transform), or its logits differ from eager's."""
+    import transformers
+
+    from engine.worker.families import logit_transform
+
+    folder = build_checkpoint(tmp_path_factory.mktemp(f"tiny-head-{arch}"), arch)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    if arch == "gemma3_text":
+        config.final_logit_softcapping = 3.0  # Gemma 2's is 30; 3 bites on tiny logits
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, config=config).eval()
+    ids = torch.tensor([[5, 9, 13, 20, 17]])
+    with torch.inference_mode():
+        want = model(ids).logits[0]
+        head = model.get_output_embeddings()(model.get_decoder()(ids).last_hidden_state[0])
+    transform = logit_transform(config)
+    assert (transform is None) == (arch == "llama")
+    got = head if transform is None else transform(head)
+    torch.testing.assert_close(got, want)
+    assert arch == "llama" or not torch.allclose(head, want)
+
+
+QUANT_FAMILIES = ["llama", "qwen2", "qwen3", *(a for a in FAMILIES if not a.endswith("_window"))]
+
+
+@pytest.mark.parametrize("arch", QUANT_FAMILIES)
+def test_quantized_and_fused_paths_load_and_generate(
+        arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--quantization int8 and int4 on each family, with the sibling projections fused (the
+    loader fuses quantized models): the logits equal their own reference math (the same
+    family's HF model with its linears quantized alone, unfused) and stay near the dense
+    model's; then the engine generates with it."""
+    import transformers
+
+    from engine.layers.fused_linears import ProjectionSlice
+    from engine.layers.moe import use_grouped_experts
+    from engine.layers.quantization.linear import Int4Linear, Int8Linear
+    from engine.layers.quantization.quant import quantize_model
+
+    folder = build_checkpoint(tmp_path_factory.mktemp(f"tiny-quant-{arch}"), arch)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])  # 6 rows: the kernels, not the dense copies
+    for mode, bound in (("int8", 0.06), ("int4", 0.4)):  # measured on llama: 0.039, 0.288
+        ours = load_model(str(folder), device="cpu", dtype="float32", quantization=mode).model
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        with torch.inference_mode():
+            dense = ref(input_ids=ids).logits
+            use_grouped_experts(ref)  # MoE experts as linears, which quantize_model replaces
+            quantize_model(ref, mode, None, dense_above=None)
+            want, got = ref(input_ids=ids).logits, ours(input_ids=ids).logits
+        quantized = [m for m in ours.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+        assert len(quantized) >= 4 * 2, (arch, mode)  # every layer's projections at least
+        # Phi-3's checkpoint fuses qkv and gate_up itself; int4 parts fuse only where they
+        # line up with its 64-row blocks (Phi's and Starcoder2's 32-row k/v, no gate/up: apart).
+        if arch != "phi3" and mode == "int8":
+            assert any(isinstance(m, ProjectionSlice) for m in ours.modules()), arch
+        assert (got - want).norm() / want.norm() < 1e-3, (arch, mode)
+        assert (got - dense).norm() / dense.norm() < bound, (arch, mode)
+    runner = loaded_runner(tiny_config(folder, quantization="int8"))
+    engine = make_engine(runner, max_num_batched_tokens=64)
+    out = run(engine, {"q": ids[0].tolist()}, SamplingParams(temperature=0.0, max_tokens=8,
+                                                             ignore_eos=True))
+    assert len(out["q"]) == 8

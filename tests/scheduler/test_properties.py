@@ -64,8 +64,9 @@ ops = st.lists(st.one_of(
 
 
 class Harness:
-    def __init__(self, config: SchedulerConfig, num_blocks: int) -> None:
-        self.sched = make_scheduler(config, num_blocks, eos_token_ids=[EOS])
+    def __init__(self, config: SchedulerConfig, num_blocks: int, window: int = 0) -> None:
+        self.sched = make_scheduler(config, num_blocks, eos_token_ids=[EOS],
+                                    sliding_window=window)
         self.runner = FakeRunner(self.sched)
         self.seqs: list[Sequence] = []
         self.cut: set[str] = set()  # aborted or finished from outside: output may be short
@@ -163,3 +164,15 @@ def test_random_interleavings_under_pressure(
     operations: list[tuple[Any, ...]],
 ) -> None:
     run_ops(Harness(config, pool_tokens // config.block_size), first + operations)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=pressure_configs, pool_tokens=st.integers(8, 24), window=st.integers(1, 9),
+       first=st.lists(adds, min_size=3, max_size=8), operations=ops)
+def test_random_interleavings_with_a_sliding_window(
+    config: SchedulerConfig, pool_tokens: int, window: int, first: list[tuple[Any, ...]],
+    operations: list[tuple[Any, ...]],
+) -> None:
+    """Every layer slides: blocks out of the window are released as sequences run (issue 33).
+    The fake runner checks each query's window is still held and holds its own prefix."""
+    run_ops(Harness(config, pool_tokens // config.block_size, window), first + operations)

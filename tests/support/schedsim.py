@@ -34,17 +34,19 @@ def make_seq(seq_id: str, prompt: list[int] | int, priority: int = 0,
 
 
 def make_limits(config: SchedulerConfig, num_blocks: int,
-                eos_token_ids: Collection[int] = ()) -> EngineLimits:
+                eos_token_ids: Collection[int] = (), sliding_window: int = 0) -> EngineLimits:
     """The limits LLMEngine.load() would resolve for this config and pool (a model that
-    allows any length): max_model_len is capped by what the pool holds."""
+    allows any length): max_model_len is capped by what the pool holds. sliding_window: a
+    model whose every layer sees only its last that-many tokens."""
     return EngineLimits(max_model_len=min(config.max_model_len, num_blocks * config.block_size),
                         num_kv_blocks=num_blocks, block_size=config.block_size,
-                        vocab_size=VOCAB, eos_token_ids=frozenset(eos_token_ids))
+                        vocab_size=VOCAB, eos_token_ids=frozenset(eos_token_ids),
+                        sliding_window=sliding_window)
 
 
 def make_scheduler(config: SchedulerConfig, num_blocks: int,
-                   eos_token_ids: Collection[int] = ()) -> Scheduler:
-    return Scheduler(config, make_limits(config, num_blocks, eos_token_ids))
+                   eos_token_ids: Collection[int] = (), sliding_window: int = 0) -> Scheduler:
+    return Scheduler(config, make_limits(config, num_blocks, eos_token_ids, sliding_window))
 
 
 class FakeRunner:
@@ -54,8 +56,10 @@ class FakeRunner:
         self.slots: list[tuple[int, ...] | None] = [None] * (
             sched.block_manager.num_blocks * self.block_size)
         self.steps = 0
+        self.window = sched.limits.sliding_window
 
     def slot(self, seq: Sequence, p: int) -> int:
+        assert seq.block_table[p // self.block_size] >= 0, f"{seq!r}: position {p} released"
         return seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
 
     def run(self, out: SchedulerOutput) -> dict[str, int]:
@@ -66,7 +70,8 @@ class FakeRunner:
                 continue  # aborted after schedule(): the real runner would still compute it
             c, n = seq.num_computed_tokens, out.num_scheduled_tokens[i]
             assert len(seq.block_table) * self.block_size >= c + n, f"no slots: {seq!r}"
-            for p in range(c):
+            # A sliding window: query c sees positions > c - window, which must be held.
+            for p in range(max(0, c - self.window + 1) if self.window else 0, c):
                 got = self.slots[self.slot(seq, p)]
                 assert got == tuple(seq.token_ids[: p + 1]), f"{seq!r}: bad KV at {p}: {got}"
             for p in range(c, c + n):

@@ -206,12 +206,15 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 // T, hd] query of the fused step is read in place, whatever its layout); out points at their
 // [group, head_dim] output rows; buf is the task's scratch.
 // HD: the head dim as a compile-time constant (0: read it from s), so the row loops unroll.
+// window: the query sees only its last `window` positions (0: all), a sliding-window layer.
+// Whole blocks from the window's first one are scored (the kernels read blocks); the rows
+// of that block before the window get weight 0 in the softmax.
 // Block by block: the block's rows are widened to fp32 once, then each query head goes over
 // them (its query, or its running sum, held in registers).
 template <typename T, int64_t HD>
 void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_pool,
                 const int64_t* table, int64_t ctx, int64_t kv_head, const Shape& s, float scale,
-                T* out, std::vector<float>& buf) {
+                int64_t window, T* out, std::vector<float>& buf) {
   const int64_t g = s.group, hd = HD ? HD : s.head_dim, bs = s.block_size;
   buf.resize(static_cast<size_t>(2 * g * hd + bs * hd + g * ctx + g));
   float* qf = buf.data();             // [g, hd] scaled queries
@@ -229,10 +232,12 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
 
   const int64_t num_blocks = (ctx + bs - 1) / bs, block_bytes = bs * hd * sizeof(T);
   const int64_t head_offset = kv_head * s.head_stride;
+  const int64_t lo = window > 0 && ctx > window ? ctx - window : 0;  // first position seen
+  const int64_t b0 = lo / bs;                                         // its block
   auto block = [&](const T* pool, int64_t b) { return pool + table[b] * s.block_stride + head_offset; };
-  prefetch(block(k_pool, 0), block_bytes);
-  for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
-    prefetch(b + 1 < num_blocks ? block(k_pool, b + 1) : block(v_pool, 0), block_bytes);
+  prefetch(block(k_pool, b0), block_bytes);
+  for (int64_t t0 = b0 * bs, b = b0; t0 < ctx; t0 += bs, ++b) {
+    prefetch(b + 1 < num_blocks ? block(k_pool, b + 1) : block(v_pool, b0), block_bytes);
     const int64_t n = std::min(bs, ctx - t0);
 #if defined(__AVX512BF16__)
     if constexpr (bf16_dot) {
@@ -247,20 +252,21 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
     for (int64_t h = 0; h < g; ++h) dot_rows<HD>(qf + h * hd, k, scores + h * ctx + t0, n, hd);
   }
 
-  for (int64_t h = 0; h < g; ++h) {  // softmax over the real tokens only: no mask, no -inf
+  for (int64_t h = 0; h < g; ++h) {  // softmax over the seen tokens only: no mask, no -inf
     float* sc = scores + h * ctx;
-    float peak = sc[0];
-    for (int64_t t = 1; t < ctx; ++t) peak = std::max(peak, sc[t]);
+    float peak = sc[lo];
+    for (int64_t t = lo + 1; t < ctx; ++t) peak = std::max(peak, sc[t]);
     float sum = 0.f;
-    for (int64_t t = 0; t < ctx; ++t) {
+    for (int64_t t = lo; t < ctx; ++t) {
       sc[t] = std::exp(sc[t] - peak);
       sum += sc[t];
     }
+    std::fill(sc + b0 * bs, sc + lo, 0.f);  // the window's first block, before the window
     inv_sum[h] = 1.f / sum;
   }
 
   std::fill(acc, acc + g * hd, 0.f);
-  for (int64_t t0 = 0, b = 0; t0 < ctx; t0 += bs, ++b) {
+  for (int64_t t0 = b0 * bs, b = b0; t0 < ctx; t0 += bs, ++b) {
     if (b + 1 < num_blocks) prefetch(block(v_pool, b + 1), block_bytes);
     const int64_t n = std::min(bs, ctx - t0);
 #if defined(__AVX512BF16__)
@@ -288,12 +294,13 @@ struct Io {
 
 template <typename T, int64_t HD>
 void run(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T* vp,
-         const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale) {
+         const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale,
+         int64_t window) {
   const int64_t width = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   int64_t total = 0;
-  for (int64_t i = 0; i < num_seqs; ++i) total += lp[i];
+  for (int64_t i = 0; i < num_seqs; ++i) total += window > 0 ? std::min(lp[i], window) : lp[i];
   // Small steps run inline: an OpenMP region costs more than a few thousand token rows.
   const int64_t tasks = num_seqs * s.kv_heads;
   const int64_t grain = std::max<int64_t>(1, tasks * 4096 / std::max<int64_t>(1, total * s.kv_heads));
@@ -304,7 +311,7 @@ void run(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T*
       const T* q = io.q + seq * io.q_seq_stride + kv_head * s.group * io.q_head_stride;
       T* out = io.out + (seq * heads + kv_head * s.group) * s.head_dim;
       attend_one<T, HD>(q, io.q_head_stride, kp, vp, tp + seq * width, lp[seq], kv_head, s,
-                        scale, out, buf);
+                        scale, window, out, buf);
     }
   });
 }
@@ -334,20 +341,23 @@ void check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens
 // run() with the head dim's template picked: the common head dims get unrolled loops.
 template <typename T>
 void dispatch(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T* vp,
-              const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale) {
+              const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale,
+              int64_t window) {
   switch (s.head_dim) {
-    case 64: run<T, 64>(io, num_seqs, heads, kp, vp, s, tables, lens, scale); break;
-    case 128: run<T, 128>(io, num_seqs, heads, kp, vp, s, tables, lens, scale); break;
-    default: run<T, 0>(io, num_seqs, heads, kp, vp, s, tables, lens, scale);
+    case 64: run<T, 64>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, window); break;
+    case 128: run<T, 128>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, window); break;
+    default: run<T, 0>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, window);
   }
 }
 
 // q [D, H, hd]; k_pool, v_pool [blocks, kvH, block_size, hd]; block_tables [D, W] int64
 // (padded rows are never read past a sequence's length); context_lens [D] int64, each in
-// [1, W * block_size]. Returns [D, H, hd] in q's dtype.
+// [1, W * block_size]; window: each query sees its last `window` positions (0: all).
+// Returns [D, H, hd] in q's dtype.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale) {
+                        double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_decode: window >= 0");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "paged_decode: q [D, H, hd] and two pools [blocks, kvH, block_size, hd]");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
@@ -367,12 +377,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   if (q.scalar_type() == at::kFloat) {
     const Io<float> io{q.data_ptr<float>(), heads * s.head_dim, s.head_dim, out.data_ptr<float>()};
     dispatch<float>(io, num_seqs, heads, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), s,
-                    block_tables, context_lens, sc);
+                    block_tables, context_lens, sc, window);
   } else {
     using B = c10::BFloat16;
     const Io<B> io{q.data_ptr<B>(), heads * s.head_dim, s.head_dim, out.data_ptr<B>()};
     dispatch<B>(io, num_seqs, heads, k_pool.data_ptr<B>(), v_pool.data_ptr<B>(), s, block_tables,
-                context_lens, sc);
+                context_lens, sc, window);
   }
   return out;
 }
@@ -396,7 +406,8 @@ template <typename T>
 void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                  const at::Tensor& kv_cache, int64_t layer, const at::Tensor& write_blocks,
                  const at::Tensor& write_offsets, const std::optional<at::Tensor>& tables,
-                 const std::optional<at::Tensor>& lens, float scale, at::Tensor& out) {
+                 const std::optional<at::Tensor>& lens, float scale, int64_t window,
+                 at::Tensor& out) {
   const int64_t heads = query.size(1), kv_heads = kv_cache.size(3);
   const Shape s{kv_heads, kv_cache.size(4), kv_cache.size(5), heads / kv_heads,
                 kv_cache.stride(2), kv_cache.stride(3)};
@@ -406,7 +417,7 @@ void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tenso
                   write_offsets.data_ptr<int64_t>(), write_blocks.size(0));
   if (!tables.has_value()) return;
   const Io<T> io{query.data_ptr<T>(), query.stride(2), query.stride(1), out.data_ptr<T>()};
-  dispatch<T>(io, tables->size(0), heads, kp, vp, s, *tables, *lens, scale);
+  dispatch<T>(io, tables->size(0), heads, kp, vp, s, *tables, *lens, scale, window);
 }
 
 // One layer of a step through the pool, fused: the W new tokens' K/V go into their pool
@@ -417,12 +428,15 @@ void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tenso
 // whatever their strides; returns [1, T, H, hd] with rows from D on zero: the caller writes
 // the prefill rows [D, W) there (SDPA), rows past W are a compiled bucket's padding.
 // kv_cache [layers, 2, blocks, kvH, block_size, hd] contiguous; write_blocks/offsets [W];
-// block_tables [D, width] and context_lens [D], both absent when the step has no decodes.
+// block_tables [D, width] and context_lens [D], both absent when the step has no decodes;
+// window: the layer's sliding window (0: none).
 at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_in,
                              const at::Tensor& value_in, at::Tensor& kv_cache, int64_t layer,
                              const at::Tensor& write_blocks, const at::Tensor& write_offsets,
                              const std::optional<at::Tensor>& block_tables,
-                             const std::optional<at::Tensor>& context_lens, double scale) {
+                             const std::optional<at::Tensor>& context_lens, double scale,
+                             int64_t window) {
+  TORCH_CHECK(window >= 0, "paged_decode_step: window >= 0");
   TORCH_CHECK(query_in.dim() == 4 && key_in.dim() == 4 && value_in.dim() == 4 &&
                   query_in.size(0) == 1 && key_in.sizes() == value_in.sizes(),
               "paged_decode_step: query [1, H, T, hd], key and value [1, kvH, T, hd]");
@@ -467,10 +481,10 @@ at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_i
   const float sc = static_cast<float>(scale);
   if (dtype == at::kFloat)
     decode_step<float>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
-                       block_tables, context_lens, sc, out);
+                       block_tables, context_lens, sc, window, out);
   else
     decode_step<c10::BFloat16>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
-                               block_tables, context_lens, sc, out);
+                               block_tables, context_lens, sc, window, out);
   return out;
 }
 
@@ -478,10 +492,10 @@ at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_i
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
   m.def("paged_decode_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
         "int layer, Tensor write_blocks, Tensor write_offsets, Tensor? block_tables, "
-        "Tensor? context_lens, float scale) -> Tensor");
+        "Tensor? context_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
