@@ -21,6 +21,7 @@ import torch
 from engine.config import EMBEDDED_INSTALL, EMBEDDED_PACKAGE
 from engine.worker.cache_paths import gguf_cache_dir
 from engine.worker.families import check_supported
+from engine.worker.gguf_config import gguf_config
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ def _convert(gguf: Path, out: Path) -> None:
         steps.update()
         # float32: Q4/Q8 blocks dequantize exactly into it; the runner casts at load.
         model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     config=gguf_config(gguf),
                                                      dtype=torch.float32)
         steps.update()
         if getattr(model, "hf_quantizer", None) is not None:
