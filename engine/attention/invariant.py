@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.scores import FULL, ScoreRule, cap_scores, softmax
+
 
 def tiled_prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
                             num_computed: int, block_size: int, scale: float,
-                            window: int = 0) -> torch.Tensor:
+                            rule: ScoreRule = FULL) -> torch.Tensor:
     """One prefill chunk's queries q [H, n, hd] (its K/V already in the pool) over its
     sequence's context as gathered from the pool, k_ctx, v_ctx [kvH, nb * bs, hd], where
-    num_computed tokens came before the chunk -> [n, H, hd]. window: each query sees its
-    last `window` positions (0: all)."""
+    num_computed tokens came before the chunk -> [n, H, hd]. rule: the layer's window, soft
+    cap and sinks."""
     heads, n, head_dim = q.shape
     kv_heads, bs, c = k_ctx.shape[0], block_size, num_computed
     out = q.new_empty(n, heads, head_dim)
@@ -37,25 +39,30 @@ def tiled_prefill_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.T
         tile = q.new_zeros(heads, bs, head_dim)
         tile[:, lo - b * bs:hi - b * bs] = q[:, lo - c:hi - c]
         res = _block_tile(tile, k_ctx[:, :(b + 1) * bs], v_ctx[:, :(b + 1) * bs], kv_heads,
-                          scale, window)  # [H, bs, hd]
+                          scale, rule)  # [H, bs, hd]
         out[lo - c:hi - c] = res[:, lo - b * bs:hi - b * bs].transpose(0, 1)
     return out
 
 
 def _block_tile(tile: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int,
-                scale: float, window: int = 0) -> torch.Tensor:
+                scale: float, rule: ScoreRule = FULL) -> torch.Tensor:
     """Queries of one block, tile [H, bs, hd], over keys k, v [kvH, W, hd] where
     W = (b + 1) * bs; query row r sits at position W - bs + r -> [H, bs, hd]."""
     heads, bs, head_dim = tile.shape
     width = k.shape[1]
     qg = tile.reshape(kv_heads, heads // kv_heads * bs, head_dim)  # q head h: kv h // G
     scores = torch.bmm(qg, k.transpose(1, 2)).float() * scale  # [kvH, G * bs, W]
+    if rule.softcap:
+        scores = cap_scores(scores, rule.softcap)
     keys = torch.arange(width, device=tile.device)
     rows = torch.arange(bs, device=tile.device) + (width - bs)
     visible = keys[None, :] <= rows[:, None]
-    if window:
-        visible &= keys[None, :] > rows[:, None] - window
+    if rule.window:
+        visible &= keys[None, :] > rows[:, None] - rule.window
     visible = visible.repeat(heads // kv_heads, 1)  # [G * bs, W]
     scores.masked_fill_(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(tile.dtype)
+    sink = None  # row g * bs + r of kv head j is query head j * G + g's
+    if rule.sink is not None:
+        sink = rule.sink.view(kv_heads, -1, 1).expand(-1, -1, bs).reshape(kv_heads, -1, 1)
+    probs = softmax(scores, sink).to(tile.dtype)
     return torch.bmm(probs, v).view(heads, bs, head_dim)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.invariant import tiled_prefill_attention
+from engine.attention.scores import FULL, ScoreRule, cap_scores, softmax
 from engine.worker.step_tensors import to_device
 
 ATTN_NAME = "pagedserve"
@@ -93,12 +94,11 @@ class AttentionMetadata:
     # token's K/V write and the decodes' attention, pagedserve_cpu::paged_decode_step), then
     # one SDPA per prefill chunk.
     fused_step: bool = False
-    # Per layer, how many of the latest tokens a query sees (0: all): Mistral's sliding
-    # window, Gemma 3's local layers. Empty: every layer full.
-    windows: tuple[int, ...] = ()
+    # Per layer, its ScoreRule (window, soft cap, sinks); empty: every layer FULL.
+    rules: tuple[ScoreRule, ...] = ()
 
-    def window(self, layer: int) -> int:
-        return self.windows[layer] if self.windows else 0
+    def rule(self, layer: int) -> ScoreRule:
+        return self.rules[layer] if self.rules else FULL
 
 
 def build_metadata(
@@ -111,14 +111,14 @@ def build_metadata(
     gather_budget: int | None = None,
     batch_invariant: bool = False,
     paged_decode_kernel: bool = False,
-    windows: tuple[int, ...] = (),
+    rules: tuple[ScoreRule, ...] = (),
 ) -> AttentionMetadata:
     """decodes: (block table, context length) per decode; prefills: (start, n, c, block table).
     gather_budget: bytes of K + V one decode group may gather (default: the device's).
     batch_invariant: shapes that depend only on each sequence (engine/attention/invariant.py);
     needs the pool. paged_decode_kernel: the decodes go through the CPU kernel (the caller
     checked engine.attention.cpu_kernels.wants_paged_decode); not with batch_invariant, whose tests pin
-    the torch path's shapes. windows: per layer, 0 or a sliding window."""
+    the torch path's shapes. rules: per layer, its ScoreRule (empty: none)."""
     invariant = batch_invariant and kv_cache is not None  # the profiling run has no pool
     kv_heads = kv_cache.shape[3] if kv_cache is not None else 1
     slots = to_device(slot_mapping, torch.long, device)  # [T]
@@ -147,7 +147,7 @@ def build_metadata(
         decode_tables=tables[0] if tables else None,
         decode_lens=tables[1] if tables else None,
         fused_step=fused,
-        windows=windows if any(windows) else (),
+        rules=rules,
     )
 
 
@@ -284,14 +284,14 @@ def fused_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, laye
     fills its rows. Measured on the 2-core Sapphire Rapids, SmolLM2 bf16, compiled, 64
     decodes + one 100-token prompt against the unfused path, alternating: 83.8 -> 81.1 ms."""
     assert meta.kv_cache is not None, "the fused step needs the pool"
-    window = meta.window(layer)
+    rule = meta.rule(layer)
     out = torch.ops.pagedserve_cpu.paged_decode_step(
         query, key, value, meta.kv_cache, layer, meta.write_blocks, meta.write_offsets,
-        meta.decode_tables, meta.decode_lens, scale, window)  # [1, T, H, hd]
+        meta.decode_tables, meta.decode_lens, scale, rule.window, rule.softcap,
+        rule.sink)  # [1, T, H, hd]
     if meta.prefills:
         k_pool, v_pool = meta.kv_cache[layer]
-        attend_prefills(query[0], key[0], value[0], k_pool, v_pool, meta, scale, out[0],
-                        window)
+        attend_prefills(query[0], key[0], value[0], k_pool, v_pool, meta, scale, out[0], rule)
     return out
 
 
@@ -305,28 +305,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale:
         k_pool, v_pool = meta.kv_cache[layer]  # each [blocks, kvH, block_size, hd]
         write_kv(k_pool, v_pool, k, v, meta)
     out = q.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, H, hd]
-    window = meta.window(layer)
+    rule = meta.rule(layer)
     if meta.decode_tables is not None:
         assert k_pool is not None and v_pool is not None, "decodes read the pool"
         d = meta.num_decodes
         out[:d] = torch.ops.pagedserve_cpu.paged_decode(
             q[:, :d].transpose(0, 1).contiguous(), k_pool, v_pool, meta.decode_tables,
-            meta.decode_lens, scale, window)
+            meta.decode_lens, scale, rule.window, rule.softcap, rule.sink)
     for group in meta.decode_groups:
         assert k_pool is not None and v_pool is not None, "decodes read the pool"
         out[group.start:group.end] = decode_attention(q[:, group.start:group.end], k_pool,
-                                                      v_pool, group, scale, window)
-    attend_prefills(q, k, v, k_pool, v_pool, meta, scale, out, window)
+                                                      v_pool, group, scale, rule)
+    attend_prefills(q, k, v, k_pool, v_pool, meta, scale, out, rule)
     return out
 
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_pool: torch.Tensor | None, v_pool: torch.Tensor | None,
                     meta: AttentionMetadata, scale: float, out: torch.Tensor,
-                    window: int = 0) -> None:
+                    rule: ScoreRule = FULL) -> None:
     """Each prefill chunk's attention into its rows of out [T, H, hd] (q [H, T, hd], k/v
-    [kvH, T, hd]); the step's new K/V are in the pool already. `window`: the layer's
-    sliding window (0: none)."""
+    [kvH, T, hd]); the step's new K/V are in the pool already. `rule`: the layer's
+    window, soft cap and sinks."""
     for chunk in meta.prefills:
         if meta.batch_invariant:
             # Its context from the pool, whatever part of it this step computed.
@@ -335,9 +335,9 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             v_ctx = gather_context(v_pool, chunk.rows, 1)[0]
             part = tiled_prefill_attention(q[:, chunk.start:chunk.start + chunk.num_tokens],
                                            k_ctx, v_ctx, chunk.num_computed, meta.block_size,
-                                           scale, window)
+                                           scale, rule)
         else:
-            part = prefill_attention(q, k, v, k_pool, v_pool, chunk, scale, window)
+            part = prefill_attention(q, k, v, k_pool, v_pool, chunk, scale, rule)
         out[chunk.start:chunk.start + chunk.num_tokens] = part
 
 
@@ -358,7 +358,7 @@ def gather_context(pool: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     group: DecodeGroup, scale: float, window: int = 0) -> torch.Tensor:
+                     group: DecodeGroup, scale: float, rule: ScoreRule = FULL) -> torch.Tensor:
     """q [H, g, hd], one query per sequence of the group -> [g, H, hd].
 
     Gathers each sequence's blocks into a padded [g, kvH, C, hd] and runs two bmm calls with
@@ -372,35 +372,57 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     v = gather_context(v_pool, group.rows, d).view(d * kv_heads, ctx, head_dim)
     qg = q.transpose(0, 1).reshape(d * kv_heads, heads // kv_heads, head_dim)  # q head h: kv h // G
     scores = torch.bmm(qg, k.transpose(1, 2)).view(d, kv_heads, -1, ctx).float() * scale
-    scores.masked_fill_(~group.window_mask(window)[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(d * kv_heads, -1, ctx)
+    if rule.softcap:
+        scores = cap_scores(scores, rule.softcap)
+    scores.masked_fill_(~group.window_mask(rule.window)[:, None, None, :], float("-inf"))
+    sink = None if rule.sink is None else rule.sink.view(1, kv_heads, -1, 1)
+    probs = softmax(scores, sink).to(q.dtype).view(d * kv_heads, -1, ctx)
     return torch.bmm(probs, v).view(d, heads, head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       k_pool: torch.Tensor | None, v_pool: torch.Tensor | None,
-                      chunk: PrefillChunk, scale: float, window: int = 0) -> torch.Tensor:
-    """One prefill chunk: q [H, T, hd] (packed) -> [n, H, hd]; `window`: query i (at c + i)
-    sees only keys after c + i - window (0: all before it)."""
+                      chunk: PrefillChunk, scale: float, rule: ScoreRule = FULL) -> torch.Tensor:
+    """One prefill chunk: q [H, T, hd] (packed) -> [n, H, hd]; `rule.window`: query i (at
+    c + i) sees only keys after c + i - window (0: all before it)."""
     s, n, c = chunk.start, chunk.num_tokens, chunk.num_computed
+    window = rule.window
     qs = q[None, :, s:s + n]  # [1, H, n, hd]
+    mask: torch.Tensor | None = None  # None: plain causal over the chunk
     if chunk.rows is None:
         ks, vs = k[None, :, s:s + n], v[None, :, s:s + n]
-        if window and n > window:
-            out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True,
-                                                 attn_mask=windowed(causal(n, 0, q.device),
-                                                                    0, window))
-        else:  # the window covers the chunk: plain causal
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
+        if window and n > window or not rule.plain:
+            mask = causal(n, 0, q.device)
+            mask = windowed(mask, 0, window) if window and n > window else mask
     else:
         assert k_pool is not None and v_pool is not None and chunk.mask is not None
         ks = gather_context(k_pool, chunk.rows, 1)[:, :, :c + n]  # [1, kvH, c + n, hd]
         vs = gather_context(v_pool, chunk.rows, 1)[:, :, :c + n]
         mask = windowed(chunk.mask, c, window) if window and c + n > window else chunk.mask
+    if not rule.plain:
+        assert mask is not None
+        out = explicit_attention(qs, ks, vs, mask, scale, rule)
+    elif mask is None:  # the window covers the chunk: plain causal
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                              enable_gqa=True)
     return out[0].transpose(0, 1)  # [n, H, hd]
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float, rule: ScoreRule) -> torch.Tensor:
+    """SDPA's result for q [1, H, n, hd] over k, v [1, kvH, ctx, hd] and a bool mask [n, ctx],
+    with the rule's soft cap and sinks, which SDPA cannot apply."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [1, H, n, ctx]
+    if rule.softcap:
+        scores = cap_scores(scores, rule.softcap)
+    scores.masked_fill_(~mask, float("-inf"))
+    sink = None if rule.sink is None else rule.sink.view(1, -1, 1, 1)
+    return torch.matmul(softmax(scores, sink).to(q.dtype), v)
 
 
 def causal(n: int, c: int, device: torch.device) -> torch.Tensor:

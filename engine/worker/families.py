@@ -20,10 +20,11 @@ if TYPE_CHECKING:  # torch only where a model is loaded: the CLI's family check 
 
 SUPPORTED_FAMILIES = frozenset({
     "llama", "qwen2", "qwen3", "mistral", "phi3", "phi", "gemma", "granite", "olmo", "olmo2",
-    "smollm3", "qwen3_moe", "cohere", "starcoder2", "glm", "gemma3_text"})
+    "smollm3", "qwen3_moe", "cohere", "starcoder2", "glm", "gemma3_text", "gemma2",
+    "gpt_oss"})
 # GGUF architecture names that differ from transformers' model_type.
 GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "command-r": "cohere", "phi2": "phi",
-                      "gemma3": "gemma3_text"}
+                      "gemma3": "gemma3_text", "gpt-oss": "gpt_oss"}
 
 
 class UnsupportedModelError(ValueError):

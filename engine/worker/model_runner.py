@@ -21,6 +21,7 @@ import torch
 from engine.attention import cpu_kernels
 from engine.attention import paged as attention
 from engine.attention.paged import AttentionMetadata, build_metadata
+from engine.attention.scores import ScoreRule
 from engine.config import EngineConfig
 from engine.layers import batch_invariant
 from engine.sample.sampler import compute_prompt_logprobs, sample
@@ -110,6 +111,7 @@ class ModelRunner:
         self.max_model_len = min(self.config.scheduler.max_model_len,
                                  facts.max_position_embeddings)
         self.windows = self._sliding_windows()
+        self.score_rules = self._score_rules()
         # Decode attention through our C++ kernel where it builds (CPU, fp32/bf16): before
         # the pool and the warm-up, so both see the step the server will run.
         self.paged_decode_kernel = (not self.config.batch_invariant
@@ -124,6 +126,26 @@ class ModelRunner:
         log.info("model %s on %s (%s): %d KV blocks of %d tokens; decode attention: %s",
                  self.model_display_name, self.device, self.dtype, self.num_kv_blocks,
                  self.block_size, "C++ kernel" if self.paged_decode_kernel else "torch")
+
+    def _score_rules(self) -> tuple[ScoreRule, ...]:
+        """Per layer, what its attention does beyond a causal softmax: its window, Gemma 2's
+        soft cap, gpt-oss's sinks (transformers hands the last two to the attention hook as
+        softcap= and s_aux=; the compiled step's op takes no such arguments, so they travel
+        in the step's metadata). () when every layer is plain."""
+        softcap = float(getattr(self.model.config.get_text_config(),
+                                "attn_logit_softcapping", None) or 0.0)
+        sinks: dict[int, torch.Tensor] = {
+            int(m.layer_idx): m.sinks.detach().float().contiguous()
+            for m in self.model.modules()
+            if isinstance(getattr(m, "sinks", None), torch.Tensor) and hasattr(m, "layer_idx")}
+        layers = self.facts.num_layers
+        rules = tuple(ScoreRule(self.windows[i] if self.windows else 0, softcap, sinks.get(i))
+                      for i in range(layers))
+        if sinks or softcap:
+            log.info("attention: %s", ", ".join(
+                ([f"soft cap {softcap:g}"] if softcap else [])
+                + ([f"sinks on {len(sinks)} of {layers} layers"] if sinks else [])))
+        return rules if self.windows or softcap or sinks else ()
 
     def _sliding_windows(self) -> tuple[int, ...]:
         """Per layer, its sliding window (0: full attention); () when no layer slides
@@ -226,7 +248,7 @@ class ModelRunner:
         prefills = [(num_decodes, num_prefill, 0, table)] if num_prefill else []
         meta = build_metadata(kv_cache, bs, slots, [(table, context)] * num_decodes, prefills,
                               dev, paged_decode_kernel=self.paged_decode_kernel,
-                              windows=self.windows)
+                              rules=self.score_rules)
         n = num_decodes + num_prefill
         positions = [context - 1] * num_decodes + list(range(num_prefill))
         kept = self.config.scheduler.max_num_seqs if keep_rows is None else keep_rows
@@ -277,7 +299,7 @@ class ModelRunner:
                                     flat.prefills, dev,
                                     batch_invariant=self.config.batch_invariant,
                                     paged_decode_kernel=self.paged_decode_kernel,
-                                    windows=self.windows),
+                                    rules=self.score_rules),
             keep=to_device(flat.keep, long, dev),
             sample_ids=[seq.seq_id for seq in sampled],
             sample_rows=to_device(rows, long, dev) if sampled else None,

@@ -91,22 +91,31 @@ def test_enable_wraps_per_token_modules_once(tiny_llama: Path) -> None:
     assert batch_invariant.enable(model) == 2 * 7 + 3
 
 
-@pytest.mark.parametrize("window", [0, 1, 5, 8, 30])
-def test_the_tiles_take_a_sliding_window_as_sdpa_does(window: int) -> None:
+@pytest.mark.parametrize("window, softcap, sinks", [
+    (0, 0.0, False), (1, 0.0, False), (5, 0.0, False), (8, 0.0, False), (30, 0.0, False),
+    (0, 0.7, False), (5, 0.7, False), (0, 0.0, True), (5, 0.7, True)])
+def test_the_tiles_take_a_window_soft_cap_and_sinks_as_the_torch_path(
+        window: int, softcap: float, sinks: bool) -> None:
     """The tiled prefill (c = 6 computed, a 13-token chunk, blocks of 4) against SDPA with
-    the same causal, windowed mask (fp32)."""
+    the same causal, windowed mask (fp32), or the torch path's explicit attention where SDPA
+    cannot apply the soft cap or the sinks."""
     from engine.attention.invariant import tiled_prefill_attention
-    from engine.attention.paged import causal, windowed
+    from engine.attention.paged import causal, explicit_attention, windowed
+    from engine.attention.scores import ScoreRule
 
     gen = torch.Generator().manual_seed(0)
     c, n, bs, heads, kv_heads, hd = 6, 13, 4, 4, 2, 8
     width = -(-(c + n) // bs) * bs
     q = torch.randn(heads, n, hd, generator=gen)
     k, v = (torch.randn(kv_heads, width, hd, generator=gen) for _ in range(2))
-    got = tiled_prefill_attention(q, k, v, c, bs, 0.3, window)
+    rule = ScoreRule(window, softcap, torch.linspace(-1.0, 2.0, heads) if sinks else None)
+    got = tiled_prefill_attention(q, k, v, c, bs, 0.3, rule)
     mask = causal(n, c, q.device)
     mask = windowed(mask, c, window) if window else mask
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q[None], k[None, :, :c + n], v[None, :, :c + n], attn_mask=mask, scale=0.3,
-        enable_gqa=True)[0].transpose(0, 1)
+    ks, vs = k[None, :, :c + n], v[None, :, :c + n]
+    if not rule.plain:
+        want = explicit_attention(q[None], ks, vs, mask, 0.3, rule)[0].transpose(0, 1)
+    else:
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[None], ks, vs, attn_mask=mask, scale=0.3, enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

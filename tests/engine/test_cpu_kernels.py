@@ -17,6 +17,7 @@ import torch
 from api.cli import build_parser, config_overrides
 from engine.attention import cpu_kernels
 from engine.attention.paged import AttentionMetadata, attend, attend_step, build_metadata
+from engine.attention.scores import ScoreRule
 from engine.config import EngineConfig
 from engine.worker.model_runner import ModelRunner
 
@@ -30,7 +31,8 @@ def kernel() -> None:
 
 
 def decode_step(contexts: list[int], dtype: torch.dtype, kernel: bool, seed: int = 0,
-                pool: torch.Tensor | None = None, window: int = 0
+                pool: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                sinks: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """One layer's decode step: a shuffled pool, one query per context. Returns the pool, the
     queries [H, D, hd], the new K/V [2, kvH, D, hd] and the metadata."""
@@ -46,15 +48,17 @@ def decode_step(contexts: list[int], dtype: torch.dtype, kernel: bool, seed: int
         tables.append(table)
         slots.append(table[(c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK)
     meta = build_metadata(pool, BLOCK, slots, list(zip(tables, contexts)), [],
-                          torch.device("cpu"), paged_decode_kernel=kernel, windows=(window,))
+                          torch.device("cpu"), paged_decode_kernel=kernel,
+                          rules=(ScoreRule(window, softcap, SINKS if sinks else None),))
     q = torch.randn(HEADS, len(contexts), HEAD_DIM, generator=gen).to(dtype)
     kv = torch.randn(2, KV_HEADS, len(contexts), HEAD_DIM, generator=gen).to(dtype)
     return pool, q, kv, meta
 
 
 def run(contexts: list[int], dtype: torch.dtype, kernel: bool, seed: int = 0,
-        window: int = 0) -> torch.Tensor:
-    _, q, kv, meta = decode_step(contexts, dtype, kernel, seed, window=window)
+        window: int = 0, softcap: float = 0.0, sinks: bool = False) -> torch.Tensor:
+    _, q, kv, meta = decode_step(contexts, dtype, kernel, seed, window=window, softcap=softcap,
+                                 sinks=sinks)
     with torch.inference_mode():
         return attend(q, kv[0], kv[1], 0, HEAD_DIM ** -0.5, meta)
 
@@ -111,6 +115,29 @@ def test_a_sliding_window_matches_the_torch_path(window: int) -> None:
         fused = attend_step(q[None], kv[0][None], kv[1][None], 0, HEAD_DIM ** -0.5, meta)
     torch.testing.assert_close(fused[0], run(CONTEXTS, torch.float32, False, window=window),
                                atol=1e-5, rtol=1e-5)
+
+
+SINKS = torch.linspace(-2.0, 3.0, HEADS)  # gpt-oss's per-head sink logits
+
+
+@pytest.mark.parametrize("window, softcap, sinks", [(0, 0.5, False), (7, 0.5, False),
+                                                    (0, 0.0, True), (7, 0.5, True)])
+def test_a_soft_cap_and_sinks_match_the_torch_path(window: int, softcap: float,
+                                                   sinks: bool) -> None:
+    """Gemma 2's attention soft cap (scores -> cap * tanh(score / cap)) and gpt-oss's sinks
+    (one more logit per head in the softmax's sum), with and without a window, unfused and
+    fused."""
+    want = run(CONTEXTS, torch.float32, False, window=window, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(
+        run(CONTEXTS, torch.float32, True, window=window, softcap=softcap, sinks=sinks),
+        want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(want, run(CONTEXTS, torch.float32, False, window=window),
+                              atol=1e-3)
+    _, q, kv, meta = decode_step(CONTEXTS, torch.float32, True, window=window, softcap=softcap,
+                                 sinks=sinks)
+    with torch.inference_mode():
+        fused = attend_step(q[None], kv[0][None], kv[1][None], 0, HEAD_DIM ** -0.5, meta)
+    torch.testing.assert_close(fused[0], want, atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_is_at_least_as_close_to_float64_as_the_torch_path() -> None:

@@ -58,9 +58,28 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_window": ("Qwen2", {"use_sliding_window": True, "sliding_window": 8,
                                "max_window_layers": 1}),
     # Gemma 3's text model: a local (sliding) layer and a global one, each with its own RoPE.
+    # Gemma's embeddings are scaled by sqrt(hidden): tied to the head, a tiny random one only
+    # repeats a token, so Gemma 2's and 3's heads are their own (varied greedy text).
     "gemma3_text": ("Gemma3Text/Gemma3", {"head_dim": 16, "sliding_window": 8,
+                                          "tie_word_embeddings": False,
                                           "layer_types": ["sliding_attention",
                                                           "full_attention"]}),
+    # Gemma 2: local and global layers, and both soft caps set low enough to bite on tiny
+    # random logits (its defaults, 50 and 30, barely would; the attention's changes greedy
+    # tokens, the final one cannot: tanh keeps the argmax).
+    "gemma2": ("Gemma2", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+                          "tie_word_embeddings": False,
+                          "layer_types": ["sliding_attention", "full_attention"],
+                          "attn_logit_softcapping": 1.0, "final_logit_softcapping": 5.0}),
+    # gpt-oss: attention sinks, local and global layers (YaRN RoPE), biased q/k/v/o, and MoE
+    # experts with biases and a clamped SwiGLU.
+    "gpt_oss": ("GptOss", {"head_dim": 16, "sliding_window": 8, "num_local_experts": 4,
+                           "num_experts_per_tok": 2,
+                           "layer_types": ["sliding_attention", "full_attention"],
+                           "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 128,
+                                               "rope_theta": 150000.0, "beta_fast": 32.0,
+                                               "beta_slow": 1.0, "truncate": False}}),
     "phi3": ("Phi3", {}),  # fused qkv_proj and gate_up_proj in the checkpoint
     "granite": ("Granite", {"embedding_multiplier": 2.0, "attention_multiplier": 0.25,
                             "residual_multiplier": 0.5, "logits_scaling": 2.0}),
@@ -93,9 +112,11 @@ def build_checkpoint(folder: Path, arch: str) -> Path:
     model: PreTrainedModel = getattr(transformers, f"{model_name}ForCausalLM")(config)
     # Larger-than-default weights spread the logits, so greedy ties (fp noise flips) are rare.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.2)
+            elif name.endswith(".sinks"):  # gpt-oss: sinks that take a real share of attention
+                p.normal_(0.0, 1.0)
     model.save_pretrained(folder)
     return folder
 

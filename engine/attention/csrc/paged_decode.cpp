@@ -52,6 +52,15 @@ struct Shape {
   int64_t block_stride, head_stride;              // elements between blocks / kv heads in a pool
 };
 
+// How a layer shapes its scores before the softmax.
+struct ScoreRule {
+  int64_t window;  // each query sees only its last `window` positions (0: all): sliding window
+  float softcap;   // scores become softcap * tanh(score / softcap) (0: unchanged): Gemma 2
+  // gpt-oss's attention sinks: per query head, one more logit in the softmax's sum that
+  // attends to nothing ([H] floats; nullptr: none).
+  const float* sinks;
+};
+
 // scores[t] = q . k[t] for the n rows of one block (k: [n, hd] floats).
 template <int64_t HD>
 inline void dot_rows(const float* __restrict q, const float* __restrict k, float* __restrict scores,
@@ -206,15 +215,15 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 // T, hd] query of the fused step is read in place, whatever its layout); out points at their
 // [group, head_dim] output rows; buf is the task's scratch.
 // HD: the head dim as a compile-time constant (0: read it from s), so the row loops unroll.
-// window: the query sees only its last `window` positions (0: all), a sliding-window layer.
-// Whole blocks from the window's first one are scored (the kernels read blocks); the rows
-// of that block before the window get weight 0 in the softmax.
+// rule: the layer's sliding window and soft cap (ScoreRule). Whole blocks from the window's
+// first one are scored (the kernels read blocks); the rows of that block before the window
+// get weight 0 in the softmax.
 // Block by block: the block's rows are widened to fp32 once, then each query head goes over
 // them (its query, or its running sum, held in registers).
 template <typename T, int64_t HD>
 void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_pool,
                 const int64_t* table, int64_t ctx, int64_t kv_head, const Shape& s, float scale,
-                int64_t window, T* out, std::vector<float>& buf) {
+                const ScoreRule& rule, T* out, std::vector<float>& buf) {
   const int64_t g = s.group, hd = HD ? HD : s.head_dim, bs = s.block_size;
   buf.resize(static_cast<size_t>(2 * g * hd + bs * hd + g * ctx + g));
   float* qf = buf.data();             // [g, hd] scaled queries
@@ -232,6 +241,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
 
   const int64_t num_blocks = (ctx + bs - 1) / bs, block_bytes = bs * hd * sizeof(T);
   const int64_t head_offset = kv_head * s.head_stride;
+  const int64_t window = rule.window;
   const int64_t lo = window > 0 && ctx > window ? ctx - window : 0;  // first position seen
   const int64_t b0 = lo / bs;                                         // its block
   auto block = [&](const T* pool, int64_t b) { return pool + table[b] * s.block_stride + head_offset; };
@@ -254,9 +264,12 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
 
   for (int64_t h = 0; h < g; ++h) {  // softmax over the seen tokens only: no mask, no -inf
     float* sc = scores + h * ctx;
-    float peak = sc[lo];
+    if (rule.softcap > 0.f)
+      for (int64_t t = lo; t < ctx; ++t) sc[t] = rule.softcap * std::tanh(sc[t] / rule.softcap);
+    const float* sink = rule.sinks ? rule.sinks + kv_head * g + h : nullptr;
+    float peak = sink ? std::max(sc[lo], *sink) : sc[lo];
     for (int64_t t = lo + 1; t < ctx; ++t) peak = std::max(peak, sc[t]);
-    float sum = 0.f;
+    float sum = sink ? std::exp(*sink - peak) : 0.f;
     for (int64_t t = lo; t < ctx; ++t) {
       sc[t] = std::exp(sc[t] - peak);
       sum += sc[t];
@@ -295,12 +308,12 @@ struct Io {
 template <typename T, int64_t HD>
 void run(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T* vp,
          const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale,
-         int64_t window) {
+         const ScoreRule& rule) {
   const int64_t width = tables.size(1);
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   int64_t total = 0;
-  for (int64_t i = 0; i < num_seqs; ++i) total += window > 0 ? std::min(lp[i], window) : lp[i];
+  for (int64_t i = 0; i < num_seqs; ++i) total += rule.window > 0 ? std::min(lp[i], rule.window) : lp[i];
   // Small steps run inline: an OpenMP region costs more than a few thousand token rows.
   const int64_t tasks = num_seqs * s.kv_heads;
   const int64_t grain = std::max<int64_t>(1, tasks * 4096 / std::max<int64_t>(1, total * s.kv_heads));
@@ -311,7 +324,7 @@ void run(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T*
       const T* q = io.q + seq * io.q_seq_stride + kv_head * s.group * io.q_head_stride;
       T* out = io.out + (seq * heads + kv_head * s.group) * s.head_dim;
       attend_one<T, HD>(q, io.q_head_stride, kp, vp, tp + seq * width, lp[seq], kv_head, s,
-                        scale, window, out, buf);
+                        scale, rule, out, buf);
     }
   });
 }
@@ -338,26 +351,38 @@ void check_tables(const at::Tensor& block_tables, const at::Tensor& context_lens
   }
 }
 
+// The ScoreRule of the ops' arguments; sinks, if given, are [H] float32.
+ScoreRule score_rule(int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
+                     int64_t heads) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode: window, softcap >= 0");
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == heads,
+                "paged_decode: sinks are [heads] contiguous float32");
+  return ScoreRule{window, static_cast<float>(softcap),
+                   sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
+}
+
 // run() with the head dim's template picked: the common head dims get unrolled loops.
 template <typename T>
 void dispatch(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T* vp,
               const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale,
-              int64_t window) {
+              const ScoreRule& rule) {
   switch (s.head_dim) {
-    case 64: run<T, 64>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, window); break;
-    case 128: run<T, 128>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, window); break;
-    default: run<T, 0>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, window);
+    case 64: run<T, 64>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, rule); break;
+    case 128: run<T, 128>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, rule); break;
+    default: run<T, 0>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, rule);
   }
 }
 
 // q [D, H, hd]; k_pool, v_pool [blocks, kvH, block_size, hd]; block_tables [D, W] int64
 // (padded rows are never read past a sequence's length); context_lens [D] int64, each in
-// [1, W * block_size]; window: each query sees its last `window` positions (0: all).
+// [1, W * block_size]; window, softcap and sinks: the layer's ScoreRule.
 // Returns [D, H, hd] in q's dtype.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale, int64_t window) {
-  TORCH_CHECK(window >= 0, "paged_decode: window >= 0");
+                        double scale, int64_t window, double softcap,
+                        const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "paged_decode: q [D, H, hd] and two pools [blocks, kvH, block_size, hd]");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
@@ -370,6 +395,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   TORCH_CHECK(q.size(2) == k_pool.size(3) && heads % kv_heads == 0,
               "paged_decode: head_dim and GQA grouping");
   check_tables(block_tables, context_lens, num_seqs, k_pool.size(2), k_pool.size(0));
+  const ScoreRule rule = score_rule(window, softcap, sinks, heads);
   const Shape s{kv_heads, k_pool.size(2), k_pool.size(3), heads / kv_heads, k_pool.stride(0),
                 k_pool.stride(1)};
   at::Tensor out = at::empty_like(q);
@@ -377,12 +403,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
   if (q.scalar_type() == at::kFloat) {
     const Io<float> io{q.data_ptr<float>(), heads * s.head_dim, s.head_dim, out.data_ptr<float>()};
     dispatch<float>(io, num_seqs, heads, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), s,
-                    block_tables, context_lens, sc, window);
+                    block_tables, context_lens, sc, rule);
   } else {
     using B = c10::BFloat16;
     const Io<B> io{q.data_ptr<B>(), heads * s.head_dim, s.head_dim, out.data_ptr<B>()};
     dispatch<B>(io, num_seqs, heads, k_pool.data_ptr<B>(), v_pool.data_ptr<B>(), s, block_tables,
-                context_lens, sc, window);
+                context_lens, sc, rule);
   }
   return out;
 }
@@ -406,7 +432,7 @@ template <typename T>
 void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                  const at::Tensor& kv_cache, int64_t layer, const at::Tensor& write_blocks,
                  const at::Tensor& write_offsets, const std::optional<at::Tensor>& tables,
-                 const std::optional<at::Tensor>& lens, float scale, int64_t window,
+                 const std::optional<at::Tensor>& lens, float scale, const ScoreRule& rule,
                  at::Tensor& out) {
   const int64_t heads = query.size(1), kv_heads = kv_cache.size(3);
   const Shape s{kv_heads, kv_cache.size(4), kv_cache.size(5), heads / kv_heads,
@@ -417,7 +443,7 @@ void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tenso
                   write_offsets.data_ptr<int64_t>(), write_blocks.size(0));
   if (!tables.has_value()) return;
   const Io<T> io{query.data_ptr<T>(), query.stride(2), query.stride(1), out.data_ptr<T>()};
-  dispatch<T>(io, tables->size(0), heads, kp, vp, s, *tables, *lens, scale, window);
+  dispatch<T>(io, tables->size(0), heads, kp, vp, s, *tables, *lens, scale, rule);
 }
 
 // One layer of a step through the pool, fused: the W new tokens' K/V go into their pool
@@ -429,14 +455,14 @@ void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tenso
 // the prefill rows [D, W) there (SDPA), rows past W are a compiled bucket's padding.
 // kv_cache [layers, 2, blocks, kvH, block_size, hd] contiguous; write_blocks/offsets [W];
 // block_tables [D, width] and context_lens [D], both absent when the step has no decodes;
-// window: the layer's sliding window (0: none).
+// window, softcap and sinks: the layer's ScoreRule.
 at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_in,
                              const at::Tensor& value_in, at::Tensor& kv_cache, int64_t layer,
                              const at::Tensor& write_blocks, const at::Tensor& write_offsets,
                              const std::optional<at::Tensor>& block_tables,
                              const std::optional<at::Tensor>& context_lens, double scale,
-                             int64_t window) {
-  TORCH_CHECK(window >= 0, "paged_decode_step: window >= 0");
+                             int64_t window, double softcap,
+                             const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query_in.dim() == 4 && key_in.dim() == 4 && value_in.dim() == 4 &&
                   query_in.size(0) == 1 && key_in.sizes() == value_in.sizes(),
               "paged_decode_step: query [1, H, T, hd], key and value [1, kvH, T, hd]");
@@ -476,15 +502,16 @@ at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_i
                 "paged_decode_step: write slot out of range");
   if (block_tables.has_value())
     check_tables(*block_tables, *context_lens, num_seqs, block_size, kv_cache.size(2));
+  const ScoreRule rule = score_rule(window, softcap, sinks, heads);
   at::Tensor out = at::empty({1, tokens, heads, head_dim}, query.options());
   if (tokens > num_seqs) out.narrow(1, num_seqs, tokens - num_seqs).zero_();
   const float sc = static_cast<float>(scale);
   if (dtype == at::kFloat)
     decode_step<float>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
-                       block_tables, context_lens, sc, window, out);
+                       block_tables, context_lens, sc, rule, out);
   else
     decode_step<c10::BFloat16>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
-                               block_tables, context_lens, sc, window, out);
+                               block_tables, context_lens, sc, rule, out);
   return out;
 }
 
@@ -492,10 +519,12 @@ at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_i
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, float softcap=0, Tensor? sinks=None) "
+        "-> Tensor");
   m.def("paged_decode_step(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
         "int layer, Tensor write_blocks, Tensor write_offsets, Tensor? block_tables, "
-        "Tensor? context_lens, float scale, int window=0) -> Tensor");
+        "Tensor? context_lens, float scale, int window=0, float softcap=0, Tensor? sinks=None) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
