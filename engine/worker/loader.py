@@ -179,6 +179,7 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine.layers.fused_linears import fuse_projections, fusion_applies
+    from engine.layers.moe import drop_stacked_weights, use_grouped_experts
     from engine.layers.packed_linear import pack_linears, packing_applies
     from engine.layers.quantization.quant import quantize_model, resolve_mode
 
@@ -193,11 +194,13 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     hf_model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dt)
     hf_model = hf_model.to(dev).eval()
     facts = model_facts(hf_model, tokenizer, name)  # before quantizing: it reads lm_head.weight
+    use_grouped_experts(hf_model)  # MoE experts as per-expert linears: quantized, packed below
     quantize_model(hf_model, mode, source if source.is_file() else None)
     if fusion_applies(dt, mode != "none", batch_invariant):  # before packing: it packs the result
         fuse_projections(hf_model)
     if packing_applies(dev, dt, batch_invariant):
         pack_linears(hf_model)
+    drop_stacked_weights(hf_model)  # the stacked expert weights, once no linear views them
     log.info("loaded %s (%s, %s, quantization %s) in %.2f s", name, dev, dt, mode,
              time.perf_counter() - t0)
     return LoadedModel(hf_model, tokenizer, facts)
