@@ -201,7 +201,7 @@ def test_quantized_and_fused_paths_load_and_generate(
     """--quantization int8 and int4 on each family, with the sibling projections fused (the
     loader fuses quantized models): the logits equal their own reference math (the same
     family's HF model with its linears quantized alone, unfused) and stay near the dense
-    model's; then the engine generates with it."""
+    model's; bf16 dense with fused and packed linears; then the engine generates (int8)."""
     import transformers
 
     from engine.layers.fused_linears import ProjectionSlice
@@ -230,8 +230,29 @@ def test_quantized_and_fused_paths_load_and_generate(
             assert any(isinstance(m, ProjectionSlice) for m in ours.modules()), arch
         assert (got - want).norm() / want.norm() < 1e-3, (arch, mode)
         assert (got - dense).norm() / dense.norm() < bound, (arch, mode)
+    check_bf16_packed(arch, folder, ids)
     runner = loaded_runner(tiny_config(folder, quantization="int8"))
     engine = make_engine(runner, max_num_batched_tokens=64)
     out = run(engine, {"q": ids[0].tolist()}, SamplingParams(temperature=0.0, max_tokens=8,
                                                              ignore_eos=True))
     assert len(out["q"]) == 8
+
+
+def check_bf16_packed(arch: str, folder: Path, ids: torch.Tensor) -> None:
+    """bfloat16, dense: the loader fuses the sibling projections and, where oneDNN has bf16
+    (packing_applies), packs every linear once; the logits stay within bf16's rounding of
+    transformers' own bf16 model."""
+    import transformers
+
+    from engine.layers.fused_linears import ProjectionSlice
+    from engine.layers.packed_linear import PackedLinear, packing_applies
+
+    ours = load_model(str(folder), device="cpu", dtype="bfloat16", quantization="none").model
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    modules = list(ours.modules())
+    if packing_applies(torch.device("cpu"), torch.bfloat16, False):
+        assert sum(isinstance(m, PackedLinear) for m in modules) >= 2 * 2
+    assert any(isinstance(m, ProjectionSlice) for m in modules) or arch == "phi3"
+    with torch.inference_mode():
+        want, got = ref(input_ids=ids).logits.float(), ours(input_ids=ids).logits.float()
+    assert (got - want).norm() / want.norm() < 0.03, arch
