@@ -152,13 +152,13 @@ def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
+    config = gguf_config(gguf)  # first: it refuses the files transformers cannot read
     with tqdm(total=3, desc=f"converting {gguf.name}", unit="step") as steps:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         steps.update()
         # float32: Q4/Q8 blocks dequantize exactly into it; the runner casts at load.
         model: Any = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     config=gguf_config(gguf),
-                                                     dtype=torch.float32)
+                                                     config=config, dtype=torch.float32)
         steps.update()
         if getattr(model, "hf_quantizer", None) is not None:
             # The weights are plain dense tensors now, but save_pretrained refuses while

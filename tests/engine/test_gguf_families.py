@@ -11,7 +11,9 @@ transformers 5.25 reads back, the tiny checkpoint of tests/support/models.py wri
 
 The twin is the tiny checkpoint, except where llama.cpp's architecture fixes what the tiny
 config sets otherwise (TWINS; the tiny configs themselves are refused, tested below).
-Families transformers cannot read from GGUF are tested too: the load fails naming why.
+Families transformers cannot read from GGUF are tested too: the load fails naming why. gpt-oss
+is among them (transformers lists it but cannot read it): our loader refuses it by name, and a
+test pins each of transformers' failures, so that one fixed upstream shows.
 """
 
 from __future__ import annotations
@@ -31,17 +33,30 @@ from tests.engine.test_golden import hf_greedy, make_engine, run
 from tests.support.gguf_export import export_gguf, export_model
 from tests.support.models import CORPUS, build_checkpoint, loaded_runner, tiny_config
 
-READ = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "starcoder2", "gemma3_text"]
+READ = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "starcoder2", "gemma3_text",
+        "gemma2"]
 # What the llama.cpp architecture fixes: Qwen3-MoE always renormalizes its top-k routing
-# weights; Gemma 3 has a global layer every 6th (so 6 layers, to have one).
-TWINS: dict[str, dict[str, Any]] = {"qwen3_moe": {"norm_topk_prob": True},
-                                    "gemma3_text": {"num_hidden_layers": 6, "layer_types": None}}
+# weights; Gemma 3 has a global layer every 6th (so 6 layers, to have one); Gemma 2 and 3 scale
+# queries by 1/sqrt(head_dim) below the 27B models' depth; Gemma 2's head is its token
+# embedding; llama.cpp's YaRN always truncates its correction range (gpt-oss: not read, below).
+TWINS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"norm_topk_prob": True},
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 16},
+    "gemma2": {"tie_word_embeddings": True},
+    "gpt_oss": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
+                                    "original_max_position_embeddings": 128}},
+}
+# Gemma scales its embedding by sqrt(hidden): tied to the head at the usual 0.2, the last
+# token's own embedding outweighs the layers and greedy text repeats it. At 0.02 it varies,
+# and the attention soft cap (1.0 here, 50 by default) and the query scale (16, 256 by
+# default) each change the greedy tokens: a file read without either fails the test.
+EMBEDDING_STD = {"gemma2": 0.02}
 NEW = 8
 # The converted copy's tokenizer is reloaded as the architecture's own class, which does not
 # keep the tiny byte-level BPE as the file has it: Qwen2Tokenizer (Qwen3 too) splits digits
 # one by one, GemmaTokenizer fails for want of an <unk>. A real file of these families carries
 # the family's own vocabulary. Checked as transformers reads it from the file instead.
-RELOADED = {"qwen3", "qwen3_moe", "gemma3_text"}
+RELOADED = {"qwen3", "qwen3_moe", "gemma3_text", "gemma2"}
 
 
 @dataclass(frozen=True)
@@ -65,9 +80,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     family = request.param
-    folder = build_checkpoint(tmp_path_factory.mktemp(f"gguf-{family}"), family)
-    if family in TWINS:
-        rebuild(folder, TWINS[family])
+    folder = gguf_twin(tmp_path_factory.mktemp(f"gguf-{family}"), family)
     twin = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     # Not beside the checkpoint: transformers reads a tokenizer.json next to a GGUF instead
@@ -77,7 +90,15 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return Case(family, twin, tokenizer, files)
 
 
-def rebuild(folder: Path, changes: dict[str, Any]) -> None:
+def gguf_twin(folder: Path, family: str) -> Path:
+    """The family's tiny checkpoint, as its llama.cpp architecture can say it (TWINS)."""
+    build_checkpoint(folder, family)
+    if family in TWINS:
+        rebuild(folder, TWINS[family], EMBEDDING_STD.get(family))
+    return folder
+
+
+def rebuild(folder: Path, changes: dict[str, Any], embedding_std: float | None = None) -> None:
     """The checkpoint again with `changes` to its config, initialized as build_checkpoint does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -88,9 +109,13 @@ def rebuild(folder: Path, changes: dict[str, Any]) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.2)
+            elif name.endswith(".sinks"):
+                p.normal_(0.0, 1.0)
+        if embedding_std is not None:
+            model.get_input_embeddings().weight.normal_(0.0, embedding_std)
     model.save_pretrained(folder)
 
 
@@ -171,12 +196,48 @@ def test_families_transformers_cannot_read_from_gguf_are_refused_naming_why(
         load_model(str(gguf), device="cpu", dtype="float32")
 
 
+def test_gpt_oss_gguf_is_refused_naming_what_transformers_cannot_read(tmp_path: Path) -> None:
+    """Written as llama.cpp writes it (the GGUF twin: truncated YaRN), a gpt-oss file is
+    refused before conversion. Each reason is pinned against transformers itself: when one is
+    fixed upstream, this fails, and the refusal (engine/worker/gguf_config.py) can go."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    folder = gguf_twin(tmp_path / "checkpoint", "gpt_oss")
+    gguf = export_gguf(folder, tmp_path / "gpt_oss.gguf")
+    with pytest.raises(ValueError, match="GGUF files of architecture gpt-oss are not read: "
+                       "transformers' GGUF reader fails on its rope.scaling metadata"):
+        load_model(str(gguf), device="cpu", dtype="float32")
+    # 1. Reading the config (or the tokenizer) fails on rope.scaling.factor.
+    with pytest.raises(TypeError, match="only 0-dimensional arrays can be converted"):
+        AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # 2. The experts and the sinks map to no parameter: transformers would leave them random.
+    import gguf as gguf_py
+
+    names = {t.name for t in gguf_py.GGUFReader(gguf).tensors}
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    # Looked up by the file's architecture as load_gguf_checkpoint does: "gpt-oss" finds none
+    # (the gpt_oss processor expects other names: ffn_*_projs, per-expert parameters).
+    processor = TENSOR_PROCESSORS.get("gpt-oss", TensorProcessor)(config={})
+    mapped = get_gguf_hf_weights_map(model, processor)
+    unmapped = {n.split(".", 2)[2] for n in names - mapped.keys() if n.startswith("blk.0.")}
+    assert unmapped == {f"ffn_{p}_exps.{k}" for p in ("gate", "up", "down") for k in ("weight", "bias")
+                        } | {"attn_sinks.weight"}
+
+
 # The tiny configs a GGUF cannot say, refused by the writer rather than written as another model.
 INEXPRESSIBLE = {
     "mistral_window": "a sliding window \\(8\\), which the llama architecture has not",
     "qwen2_window": "a sliding window \\(8\\), which the qwen2 architecture has not",
     "gemma3_text": "where gemma3 has a global layer every 6th",
     "qwen3_moe": "norm_topk_prob False, where qwen3moe always renormalizes",
+    "gemma2": "an LM head of its own, where gemma2 has none \\(the token embedding is the head\\)",
+    "gpt_oss": "YaRN without truncating its correction range \\(truncate False\\), where "
+               "llama.cpp always truncates it",
 }
 
 

@@ -11,8 +11,8 @@ modeling_gguf_pytorch_utils.py) reads back:
   written here) with tokens, merges, token types and the special ids;
 - the tensors under gguf's own names (`gguf.get_tensor_name_map`), with llama.cpp's layout
   changes that the reader undoes: q/k rows in the interleaved rotary order for the Llama
-  architecture, Gemma's RMSNorm weights stored as 1 + w, Qwen3-MoE's experts as one
-  gate, one up and one down tensor per layer.
+  architecture, Gemma's RMSNorm weights stored as 1 + w, MoE experts as one gate, one up
+  and one down tensor per layer (gpt-oss's de-interleaved and transposed, biases too).
 
 A family whose config says something its llama.cpp architecture cannot (a sliding window
 on the Llama architecture, say) is refused, rather than written as a different model.
@@ -22,54 +22,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tests.support.gguf_archs import (
+    ARCHS,
+    GgufArch,
+    head_dim,
+    refuse_inexpressible,
+    rope,
+    rope_type,
+)
+
 QUANT_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 EXPERT_ROUTER = "ffn_gate_inp"  # kept in F32, as llama-quantize does: a rounded router picks other experts
-
-
-@dataclass(frozen=True, slots=True)
-class GgufArch:
-    """How llama.cpp writes one transformers family."""
-
-    name: str  # general.architecture
-    rotary_rows: bool = False  # q/k rows permuted to llama.cpp's interleaved rotary pairs
-    norm_offset: float = 0.0  # RMSNorm weights stored as offset + w (Gemma scales by 1 + w)
-    model_name: str | None = None  # general.name; None: the model_type
-    windows: bool = False  # the architecture carries `attention.sliding_window`
-    global_every: int = 0  # a global layer every n-th, the rest sliding (fixed in llama.cpp)
-    normalized_topk: bool = False  # the MoE routing weights always renormalized over the top k
-
-
-# model_type -> its llama.cpp architecture. Read back by transformers 5.25 (GGUF_CONFIG_MAPPING):
-# llama, mistral, qwen2, qwen3, qwen3_moe, phi3, starcoder2, gemma3_text. The rest are written
-# with their architecture name and the layout above only, never read back: transformers refuses
-# them ("GGUF model with architecture ... is not supported yet"), and llama.cpp's extra
-# transforms for them (Granite's scales, OLMo 2's norms, ...) are not reproduced here.
-ARCHS: dict[str, GgufArch] = {
-    "llama": GgufArch("llama", rotary_rows=True),
-    # llama.cpp writes Mistral as the Llama architecture; transformers tells them apart by a
-    # general.name of exactly "mistral".
-    "mistral": GgufArch("llama", rotary_rows=True, model_name="mistral"),
-    "qwen2": GgufArch("qwen2"),
-    "qwen3": GgufArch("qwen3"),
-    "qwen3_moe": GgufArch("qwen3moe", normalized_topk=True),
-    "phi3": GgufArch("phi3"),
-    "starcoder2": GgufArch("starcoder2"),
-    "gemma3_text": GgufArch("gemma3", norm_offset=1.0, windows=True, global_every=6),
-    "phi": GgufArch("phi2"),
-    "gemma": GgufArch("gemma", norm_offset=1.0),
-    "granite": GgufArch("granite"),
-    "olmo": GgufArch("olmo"),
-    "olmo2": GgufArch("olmo2"),
-    "smollm3": GgufArch("smollm3"),
-    "cohere": GgufArch("command-r"),
-    "glm": GgufArch("chatglm"),  # llama.cpp registers GlmForCausalLM under ChatGLM
-}
 
 
 def export_gguf(checkpoint: Path, out: Path, qtype: str = "F32") -> Path:
@@ -108,43 +76,6 @@ def export_model(model: Any, tokenizer: Any, out: Path, qtype: str = "F32") -> P
 # ----------------------------------------------------------------------------- metadata
 
 
-def refuse_inexpressible(config: Any, arch: GgufArch) -> None:
-    """ValueError naming what the config says that `arch` cannot: written anyway, the file
-    would be read as another model."""
-    said = []
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) is not False and not arch.windows:
-        said.append(f"a sliding window ({window}), which the {arch.name} architecture has not")
-    if arch.global_every and config.layer_types != pattern(config, arch.global_every):
-        said.append(f"layer types {config.layer_types}, where {arch.name} has a global layer "
-                    f"every {arch.global_every}th and the rest sliding")
-    if arch.normalized_topk and not config.norm_topk_prob:
-        said.append(f"norm_topk_prob False, where {arch.name} always renormalizes the top k")
-    if rope_type(config) != "default":
-        said.append(f"rope type {rope_type(config)!r} (only unscaled RoPE is written here)")
-    if said:
-        raise ValueError(f"cannot write {config.model_type} as GGUF: it has " + "; ".join(said))
-
-
-def pattern(config: Any, every: int) -> list[str]:
-    return ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
-            for i in range(config.num_hidden_layers)]
-
-
-def rope(config: Any) -> dict[str, Any]:
-    """The global layers' RoPE parameters (Gemma 3 keeps one set per layer type)."""
-    params: dict[str, Any] = getattr(config, "rope_parameters", None) or {}
-    return params.get("full_attention", params)
-
-
-def rope_type(config: Any) -> str:
-    return str(rope(config).get("rope_type", "default"))
-
-
-def head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def write_hparams(writer: Any, config: Any, arch: GgufArch, qtype: str) -> None:
     import gguf
 
@@ -167,12 +98,20 @@ def write_hparams(writer: Any, config: Any, arch: GgufArch, qtype: str) -> None:
     writer.add_rope_freq_base(float(rope(config).get("rope_theta", 10000.0)))
     write_norm_eps(writer, config)
     writer.add_vocab_size(config.vocab_size)
-    if getattr(config, "num_experts", None):
-        writer.add_expert_count(config.num_experts)
+    if experts := getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_feed_forward_length(getattr(config, "moe_intermediate_size", None)
+                                              or config.intermediate_size)  # gpt-oss: the same
     if arch.windows and getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if arch.soft_caps:
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if rope_type(config) == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope(config)["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope(config)["original_max_position_embeddings"]))
 
 
 def write_norm_eps(writer: Any, config: Any) -> None:
@@ -250,17 +189,39 @@ def gguf_tensors(model: Any, arch: GgufArch) -> Iterator[tuple[str, np.ndarray]]
         if tied and hf_name == "lm_head.weight":
             continue  # no output.weight: the reader ties the head to token_embd
         data = tensor.float().numpy()
-        if hf_name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * inter, hidden]
-            gate, up = np.split(data, 2, axis=1)
-            stem = hf_name.removesuffix("gate_up_proj")
-            yield f"{names.get_name(stem + 'gate_proj')}.weight", gate
-            yield f"{names.get_name(stem + 'up_proj')}.weight", up
+        if ".mlp.experts." in hf_name:  # stacked [experts, ...]: weights, gpt-oss's biases
+            yield from expert_tensors(names, hf_name, data, arch)
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no GGUF name for {hf_name} in {arch.name}")
         yield (name if name.endswith((".weight", ".bias")) else f"{name}.weight",
                laid_out(name, data, arch, config))
+
+
+def expert_tensors(names: Any, hf_name: str, data: np.ndarray,
+                   arch: GgufArch) -> Iterator[tuple[str, np.ndarray]]:
+    """One layer's stacked experts as ffn_{gate,up,down}_exps, [experts, out, in] each (and
+    [experts, out] biases). Qwen3-MoE keeps gate_up as [E, 2I, H], gate rows first; gpt-oss as
+    [E, H, 2I] with gate and up columns interleaved, down as [E, I, H] (llama.cpp's converter
+    transposes both and de-interleaves, its biases too)."""
+    stem, _, part = hf_name.rpartition(".")
+    bias = part.endswith("_bias")
+    proj = part.removesuffix("_bias")
+    suffix = ".bias" if bias else ".weight"
+    if arch.interleaved_experts and not bias:
+        data = data.swapaxes(-1, -2)
+    if proj == "down_proj":
+        yield f"{names.get_name(f'{stem}.down_proj')}{suffix}", np.ascontiguousarray(data)
+        return
+    if proj != "gate_up_proj":
+        raise ValueError(f"no GGUF name for {hf_name} in {arch.name}")
+    if arch.interleaved_experts:  # rows (or bias entries) g0, u0, g1, u1, ...
+        gate, up = data[:, 0::2], data[:, 1::2]
+    else:
+        gate, up = np.split(data, 2, axis=1)
+    yield f"{names.get_name(f'{stem}.gate_proj')}{suffix}", np.ascontiguousarray(gate)
+    yield f"{names.get_name(f'{stem}.up_proj')}{suffix}", np.ascontiguousarray(up)
 
 
 def laid_out(name: str, data: np.ndarray, arch: GgufArch, config: Any) -> np.ndarray:
