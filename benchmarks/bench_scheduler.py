@@ -199,6 +199,7 @@ class FakeRunner:
         self.block_size = BLOCK_SIZE
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
+        self.windows: tuple[int, ...] = ()  # no sliding window: every block is kept
         self.tokens = ordinary_ids(hf_tokenizer)
         self.num_steps = 0
         self.last_ns = 0
