@@ -100,6 +100,9 @@ class EngineStats:
     # The KV cache's configuration (static; /metrics shows it as cache_config_info).
     cache_dtype: str = ""
     enable_prefix_caching: bool = False
+    # Where the engine's resident memory goes once ready, (kind, bytes) in the order
+    # engine/worker/memory.py logs them (static; /metrics serves it as memory_bytes).
+    memory: tuple[tuple[str, int], ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -66,6 +66,7 @@ class LLMEngine:
         self.consecutive_failures = 0  # failed steps since the last one that succeeded
         self._tokenizer: Tokenizer | None = None
         self._scheduler: Scheduler | None = None
+        self._memory: tuple[tuple[str, int], ...] = ()
         self._limits: EngineLimits | None = None
         self._iterations = IterationTokens()
         self.step_log = StepLog()  # the live view's timeline
@@ -81,6 +82,8 @@ class LLMEngine:
         self._tokenizer = Tokenizer(r.tokenizer, r.eos_token_ids)
         self._limits = limits = self._resolve_limits()
         self._scheduler = Scheduler(self.config.scheduler, limits)
+        account = getattr(self.runner, "memory", None)  # (a test's fake runner has none)
+        self._memory = account.items() if account is not None else ()
         self._load_structured()
         logger.info("KV cache: %d blocks x %d tokens = %d token slots; max_model_len %d",
                     limits.num_kv_blocks, limits.block_size,
@@ -347,4 +350,5 @@ class LLMEngine:
         return engine_stats(
             self.scheduler, self._iterations, self.num_steps,
             cache_dtype=str(getattr(self.runner, "dtype", "")).removeprefix("torch."),
-            enable_prefix_caching=self.config.scheduler.enable_prefix_caching)
+            enable_prefix_caching=self.config.scheduler.enable_prefix_caching,
+            memory=self._memory)

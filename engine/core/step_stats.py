@@ -29,7 +29,8 @@ class IterationTokens:
 
 
 def engine_stats(s: Scheduler, iterations: IterationTokens, num_steps: int, *,
-                 cache_dtype: str, enable_prefix_caching: bool) -> EngineStats:
+                 cache_dtype: str, enable_prefix_caching: bool,
+                 memory: tuple[tuple[str, int], ...] = ()) -> EngineStats:
     bm = s.block_manager
     return EngineStats(
         num_running=s.num_running, num_waiting=s.num_waiting,
@@ -37,4 +38,4 @@ def engine_stats(s: Scheduler, iterations: IterationTokens, num_steps: int, *,
         num_preemptions=s.num_preemptions, prefix_cache_queries=bm.prefix_cache_queries,
         prefix_cache_hits=bm.prefix_cache_hits, num_steps=num_steps,
         iteration_tokens=iterations.cumulative(), iteration_tokens_sum=iterations.tokens_sum,
-        cache_dtype=cache_dtype, enable_prefix_caching=enable_prefix_caching)
+        cache_dtype=cache_dtype, enable_prefix_caching=enable_prefix_caching, memory=memory)

@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.layers import batch_invariant
 from engine.sample.sampler import compute_prompt_logprobs, sample
 from engine.sample.sampling_batch import GrammarMasks, SamplingBatch, SamplingBatchBuilder
-from engine.worker import huge_pages
+from engine.worker import huge_pages, memory
 from engine.worker.cache_paths import cache_root
 from engine.worker.compile import CompiledForward, use_cache_dir, wants_compile
 from engine.worker.families import layer_windows
@@ -122,10 +122,13 @@ class ModelRunner:
         self.kv_cache = self._new_pool(self.num_kv_blocks)
         self.sampling = SamplingBatchBuilder(self.vocab_size, self.eos_token_ids,
                                              seed=self.config.seed)
+        before_warm_up = memory.resident_bytes()
         self._warm_up()
         log.info("model %s on %s (%s): %d KV blocks of %d tokens; decode attention: %s",
                  self.model_display_name, self.device, self.dtype, self.num_kv_blocks,
                  self.block_size, "C++ kernel" if self.paged_decode_kernel else "torch")
+        self.memory = memory.account(self.model, self.kv_cache, before_warm_up)
+        log.info("memory: %s", self.memory.describe())
 
     def _score_rules(self) -> tuple[ScoreRule, ...]:
         """Per layer, what its attention does beyond a causal softmax: its window, Gemma 2's

@@ -1,0 +1,118 @@
+"""Where the engine's resident memory goes (issue 37): the weights by the form the step uses
+them in, the KV pool, what the warm-up and compile added, and the rest of the process.
+
+Logged once the model is ready and served in /metrics (`memory_bytes{kind=...}`), so a user
+can see why a 1B int4 model is not ~0.7 GB resident, and a test can check that a path holds
+no second copy of a weight. Tensors are counted once by their storage: a tied LM head and
+its embedding, or the views MoE experts make of a stack, are one tensor.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.layers.packed_linear import PackedLinear
+from engine.layers.quantization.linear import Int4Linear, Int8Linear
+
+# The kinds, in the order they are logged and served.
+WEIGHT_KINDS = ("dense_weights", "packed_weights", "quantized_weights", "dense_copies")
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (VmRSS); 0 where /proc does not say."""
+    return _status_bytes("VmRSS:")
+
+
+def peak_resident_bytes() -> int:
+    """The most this process has held resident so far (VmHWM; else ru_maxrss, in KiB on
+    Linux, which the kernel updates less often)."""
+    return _status_bytes("VmHWM:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the model's parameters and buffers by the form they are held in:
+    packed_weights: oneDNN-packed linears; quantized_weights: int4/int8 weights and their
+    scales; dense_copies: the dense weights quantized modules keep for wide steps (packed or
+    not); dense_weights: everything else (embeddings, norms, dense linears)."""
+    totals = dict.fromkeys(WEIGHT_KINDS, 0)
+    seen: set[int] = set()
+    for module, kind in _module_kinds(model):
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen or tensor.device.type == "meta":
+                continue
+            seen.add(storage.data_ptr())
+            totals[kind] += storage.nbytes()
+    return totals
+
+
+def _module_kinds(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every module with the kind its own tensors count as. A quantized module's dense copy
+    (its `dense` child) counts as a copy whatever it is; the first listing of a module wins."""
+    kinds: dict[int, tuple[nn.Module, str]] = {}
+    for module in model.modules():
+        if isinstance(module, (Int4Linear, Int8Linear)):
+            kinds.setdefault(id(module), (module, "quantized_weights"))
+            if module.dense is not None:
+                for part in module.dense.modules():
+                    kinds[id(part)] = (part, "dense_copies")
+        elif isinstance(module, PackedLinear):
+            kinds.setdefault(id(module), (module, "packed_weights"))
+        else:
+            kinds.setdefault(id(module), (module, "dense_weights"))
+    return list(kinds.values())
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryAccount:
+    """The engine's resident memory once ready, in bytes."""
+
+    weights: dict[str, int]  # by WEIGHT_KINDS
+    kv_pool: int  # the KV cache pool
+    warm_up: int  # resident growth over the warm-up steps: compiled graphs, workspaces
+    resident: int  # the process's resident set when ready
+    peak: int  # the most the process held resident by then (the load's transient copies)
+
+    @property
+    def other(self) -> int:
+        """What the rest of the process holds: the interpreter, torch and its libraries,
+        the tokenizer, allocator slack (never below 0: pool pages not yet touched are not
+        resident, so the parts can exceed the resident set)."""
+        counted = sum(self.weights.values()) + self.kv_pool + self.warm_up
+        return max(0, self.resident - counted)
+
+    def items(self) -> tuple[tuple[str, int], ...]:
+        """(kind, bytes) for /metrics and the log, weights first."""
+        return (*((k, self.weights.get(k, 0)) for k in WEIGHT_KINDS),
+                ("kv_pool", self.kv_pool), ("warm_up", self.warm_up), ("other", self.other),
+                ("resident", self.resident), ("peak", self.peak))
+
+    def describe(self) -> str:
+        return ", ".join(f"{kind.replace('_', ' ')} {n / 2**20:.1f} MiB"
+                         for kind, n in self.items())
+
+
+def account(model: nn.Module, kv_pool: torch.Tensor | None, resident_before_warm_up: int,
+            ) -> MemoryAccount:
+    """The account of a runner that has just warmed up."""
+    resident = resident_bytes()
+    return MemoryAccount(
+        weights=weight_bytes(model),
+        kv_pool=0 if kv_pool is None else kv_pool.untyped_storage().nbytes(),
+        warm_up=max(0, resident - resident_before_warm_up) if resident_before_warm_up else 0,
+        resident=resident, peak=peak_resident_bytes())

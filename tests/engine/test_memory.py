@@ -1,0 +1,57 @@
+"""The memory account (engine/worker/memory.py, issue 37): each weight counted once, by the
+form it is held in, the KV pool, and what reaches the engine's stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.layers.quantization.linear import Int4Linear, Int8Linear
+from engine.worker.loader import load_model
+from engine.worker.memory import WEIGHT_KINDS, MemoryAccount, resident_bytes, weight_bytes
+from engine.worker.model_runner import ModelRunner
+from tests.engine.test_golden import make_engine
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
+
+
+def test_a_dense_model_is_all_dense_weights_each_counted_once(tiny_qwen2: Path) -> None:
+    """Qwen2's tiny model ties its head to the embedding: one tensor, counted once."""
+    model = load_model(str(tiny_qwen2), device="cpu", dtype="float32").model
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    got = weight_bytes(model)
+    assert got == {"dense_weights": storage_bytes([*model.parameters(), *model.buffers()]),
+                   "packed_weights": 0, "quantized_weights": 0, "dense_copies": 0}
+
+
+def test_quantized_weights_and_their_dense_copies_are_told_apart(tiny_llama: Path) -> None:
+    """int8: the packed int8 weights and scales are quantized_weights; the dense weights the
+    modules keep for steps above DENSE_ABOVE_ROWS rows are dense_copies (what issue 37 part 2
+    removes), not dense_weights."""
+    model = load_model(str(tiny_llama), device="cpu", dtype="float32",
+                       quantization="int8").model
+    quantized = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert quantized
+    copies = [t for m in quantized if m.dense is not None
+              for t in [*m.dense.parameters(), *m.dense.buffers()]]
+    own = [t for m in quantized for t in [*m.parameters(recurse=False),
+                                         *m.buffers(recurse=False)]]
+    got = weight_bytes(model)
+    assert got["quantized_weights"] == storage_bytes(own) > 0
+    assert got["dense_copies"] == storage_bytes(copies) > 0
+    assert sum(got.values()) == storage_bytes([*model.parameters(), *model.buffers()])
+
+
+def test_the_engine_serves_the_account(llama_runner: ModelRunner) -> None:
+    account = llama_runner.memory
+    assert isinstance(account, MemoryAccount)
+    assert account.kv_pool == llama_runner.kv_cache.untyped_storage().nbytes()
+    assert account.weights == weight_bytes(llama_runner.model)
+    assert 0 < account.resident <= account.peak and resident_bytes() > 0
+    kinds = [kind for kind, _ in account.items()]
+    assert kinds == [*WEIGHT_KINDS, "kv_pool", "warm_up", "other", "resident", "peak"]
+    assert make_engine(llama_runner).stats().memory == account.items()
