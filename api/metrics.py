@@ -137,6 +137,29 @@ class EngineCollector(Collector):
         return g
 
 
+class HistogramAlias(Collector):
+    """A histogram's series again under another name and help text: its samples as they are
+    at each scrape, renamed (vLLM serves the inter-token latency under two names; a token then
+    costs one observation, not two)."""
+
+    def __init__(self, source: Histogram, name: str, documentation: str) -> None:
+        self._source = source  # the labelled parent: its collect() holds every child's series
+        self._name = name
+        self._doc = documentation
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self._name, self._doc, "histogram")]
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            alias = Metric(self._name, self._doc, family.type)
+            cut = len(family.name)
+            for sample in family.samples:
+                alias.add_sample(self._name + sample.name[cut:], sample.labels, sample.value,
+                                 sample.timestamp, sample.exemplar)
+            yield alias
+
+
 class ServerMetrics:
     """The registry of one app plus the request counters and histograms."""
 
@@ -162,10 +185,13 @@ class ServerMetrics:
         self._rejected: dict[str, int] = {}
         h = self._histogram
         self.ttft = h(p + "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = h(p + "inter_token_latency_seconds", "Time between output deltas.",
-                     ITL_BUCKETS)
-        self.tpot = h(p + "time_per_output_token_seconds", "Time per output token (vLLM's "
-                      "older name of inter_token_latency_seconds).", ITL_BUCKETS)
+        itl = Histogram(p + "inter_token_latency_seconds", "Time between output deltas.",
+                        [LABEL], buckets=ITL_BUCKETS, registry=r)
+        self.itl = itl.labels(self.model_name)
+        # The same histogram under vLLM's older name: shown twice, observed once per token.
+        r.register(HistogramAlias(itl, p + "time_per_output_token_seconds",
+                                  "Time per output token (vLLM's older name of "
+                                  "inter_token_latency_seconds)."))
         self.request_tpot = h(p + "request_time_per_output_token_seconds",
                               "Per request: decode time / (generated tokens - 1).", ITL_BUCKETS)
         self.e2e = h(p + "e2e_request_latency_seconds", "Request latency end to end.",
@@ -261,9 +287,8 @@ class RequestTracker:
         if out.new_token_ids:
             if self._last is None:
                 self._m.ttft.observe(now - self._arrival)
-            else:
+            else:  # one observation: time_per_output_token_seconds shows this histogram
                 self._m.itl.observe(now - self._last)
-                self._m.tpot.observe(now - self._last)
             self._last = now
             self._m.generation_tokens.inc(len(out.new_token_ids))
             self._num_output_tokens += len(out.new_token_ids)

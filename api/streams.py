@@ -2,9 +2,11 @@
 
 n > 1 and multiple prompts become several engine requests that run concurrently: they are
 submitted together, then one asyncio task per engine stream pumps deltas into a shared queue,
-so the client sees them interleaved as the engine produces them. `close()` (always reached
-through `finally`) cancels the pumps and closes every engine stream, which aborts those that
-have not finished: that is how a client disconnect frees KV blocks.
+so the client sees them interleaved as the engine produces them. One engine request (n = 1,
+one prompt: the usual case) has nothing to merge: its stream is read in place, with no pump
+task and no second queue, so a token costs one task wake-up on the event loop, not two.
+`close()` (always reached through `finally`) cancels the pumps and closes every engine stream,
+which aborts those that have not finished: that is how a client disconnect frees KV blocks.
 """
 
 from __future__ import annotations
@@ -78,7 +80,9 @@ class MergedStream:
             if not isinstance(refused, Exception):
                 raise refused
             raise from_engine_error(refused, self.engine.stats()) from refused
-        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in self._streams.items()]
+        if len(self._jobs) > 1:
+            self._tasks = [asyncio.create_task(self._pump(i, s))
+                           for i, s in self._streams.items()]
 
     async def _unless_failed(self, submits: asyncio.Future[list[T]]) -> list[T]:
         """The submits' results, unless fail() comes first: then they are cancelled (which
@@ -103,9 +107,30 @@ class MergedStream:
         except Exception as e:  # noqa: BLE001 - the consumer decides what the client sees
             await self._queue.put((i, e))
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) until every choice has finished; a mid-stream engine
         error is raised as an APIError."""
+        return self._read_one() if len(self._jobs) == 1 else self._read_merged()
+
+    async def _read_one(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The one engine stream, read in place: what _pump and _read_merged do for it, in
+        the same order (the tracker sees a delta before its error is raised)."""
+        stream, tracker = self._streams[0], self._jobs[0].tracker
+        while True:
+            try:
+                out = await anext(stream)
+            except StopAsyncIteration:  # closed meanwhile: as the pump's loop, end quietly
+                return
+            except Exception as e:  # EngineDeadError, a failed step, or fail()'s APIError
+                raise from_engine_error(e, self.engine.stats()) from e
+            tracker.on_output(out)
+            if out.error is not None:
+                raise _output_error(out)
+            yield 0, out
+            if out.finished:
+                return
+
+    async def _read_merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         ended: set[int] = set()
         while len(ended) < len(self._jobs):
             i, item = await self._queue.get()
@@ -123,7 +148,10 @@ class MergedStream:
         start() does if the stream is still being admitted."""
         self._failed = error
         self._on_fail.set()
-        self._queue.put_nowait((-1, error))
+        if len(self._jobs) > 1:
+            self._queue.put_nowait((-1, error))
+        elif 0 in self._streams:  # read in place: the error goes through the stream itself
+            self._streams[0].interrupt(error)
 
     async def close(self) -> None:
         """Cancel the pumps and close every engine stream (aborting what is unfinished);

@@ -121,6 +121,14 @@ class EngineView:
     snapshot: EngineSnapshot
 
 
+class _Interrupt(Exception):
+    """RequestStream.interrupt's error on its way through the queue."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 class RequestStream:
     """The deltas of one admitted request, in order, ending with a finished one.
 
@@ -145,6 +153,12 @@ class RequestStream:
         self._queue.put_nowait(item)
         self._has_item.set()
 
+    def interrupt(self, error: BaseException) -> None:
+        """Raise `error` in the consumer once it has taken what is already queued, without
+        ending the request: the consumer still closes the stream, which aborts it. (The API's
+        graceful shutdown ends a stream it reads in place this way.)"""
+        self._queue.put_nowait(_Interrupt(error))
+
     async def wait_item(self) -> None:
         """Until the engine has put a delta or an error here (taken or not)."""
         await self._has_item.wait()
@@ -157,6 +171,8 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._queue.get()
         if isinstance(item, BaseException):
+            if isinstance(item, _Interrupt):
+                raise item.error
             self._ended = True
             raise item
         self._ended = item.finished

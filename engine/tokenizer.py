@@ -6,13 +6,15 @@ decodes only a short window of ids (a few already-emitted tokens as context, the
 unread ones) and emits what the unread ids added. The context keeps SentencePiece's
 leading spaces right; holding back a text that ends in U+FFFD keeps a UTF-8 character
 split across byte tokens from being emitted half-done. Stop strings are matched on the
-emitted text, with any tail that could still grow into a stop string held back.
+emitted text, with any tail that could still grow into a stop string held back. For a fast
+(Rust) tokenizer the engine uses engine/stream_detokenizer.py's StreamDetokenizer, which gives
+the same deltas through `tokenizers`' DecodeStream; this class is its fallback.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -42,6 +44,12 @@ class Tokenizer:
         self._special_ids = frozenset(hf_tokenizer.all_special_ids)
         self._decoder_kind = _decoder_kind(hf_tokenizer)
         self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary token
+        # The Rust tokenizer whose decode() hf.decode() is (None for a slow tokenizer), and the
+        # ids its skip_special_tokens drops: its added tokens marked special, which can be
+        # more than transformers' all_special_ids (SmolLM2: 17 against 3).
+        self.backend: Any = _rust_backend(hf_tokenizer)
+        self.backend_special_ids = frozenset() if self.backend is None else frozenset(
+            i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
     def max_token_bytes(self) -> int:
         """An upper bound on the UTF-8 bytes of text one token covers: the longest token's
@@ -120,6 +128,24 @@ class Tokenizer:
         return text
 
 
+def _rust_backend(hf_tokenizer: Any) -> Any:
+    """hf_tokenizer's `tokenizers.Tokenizer` when hf_tokenizer.decode is exactly its decode
+    (transformers 5's TokenizersBackend with decode and _decode not overridden; our calls
+    turn clean-up off), else None."""
+    # Here, not at the top: importing this module stays light (transformers is loaded by
+    # whoever made hf_tokenizer).
+    from transformers import TokenizersBackend
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    cls = type(hf_tokenizer)
+    if not isinstance(hf_tokenizer, TokenizersBackend):
+        return None
+    if (cls._decode is not TokenizersBackend._decode
+            or cls.decode is not PreTrainedTokenizerBase.decode):
+        return None
+    return hf_tokenizer.backend_tokenizer
+
+
 def _decoder_kind(hf_tokenizer: Any) -> str:
     """'byte_level' (GPT-2 style), 'sentencepiece' (Metaspace / byte fallback) or 'other'."""
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
@@ -156,7 +182,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
                  params: SamplingParams) -> None:
-        self._tok = tokenizer
+        self._decode: Callable[[list[int], bool], str] = tokenizer.decode  # (ids, skip) -> text
         self._skip = params.skip_special_tokens
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
@@ -187,7 +213,7 @@ class IncrementalDetokenizer:
             # Look for stops even in a text whose last character is unfinished: all of it
             # but the trailing U+FFFDs is settled already.
             settled = self._held + (text.rstrip(_REPLACEMENT) if unfinished else text)
-            hit = _find_stop(settled, stops)
+            hit = find_stop(settled, stops)
             if hit is not None:
                 return self._stop_at(settled, *hit)
         if unfinished:
@@ -201,7 +227,7 @@ class IncrementalDetokenizer:
             return ""
         text, self._held = self._held + self._unread_text(len(self._ids)), ""
         self._stopped = True
-        hit = _find_stop(text, self._stops) if self._stops else None
+        hit = find_stop(text, self._stops) if self._stops else None
         return text if hit is None else self._stop_at(text, *hit)[0]
 
     @property
@@ -213,8 +239,8 @@ class IncrementalDetokenizer:
         if end == self._read:
             return ""
         if self._context is None:
-            self._context = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
-        full = self._tok.decode(self._ids[self._prefix:end], self._skip)
+            self._context = self._decode(self._ids[self._prefix:self._read], self._skip)
+        full = self._decode(self._ids[self._prefix:end], self._skip)
         return full[len(self._context):]
 
     def _finished_part(self) -> tuple[str, int]:
@@ -257,7 +283,7 @@ class IncrementalDetokenizer:
         return (text[:end] if self._include_stop else text[:start]), stop
 
 
-def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, int, str] | None:
+def find_stop(text: str, stops: Sequence[str]) -> tuple[int, int, str] | None:
     """The stop string that completes first in `text` (ties: the longest): (start, end, stop).
 
     "Completes first" is what a character-by-character stream would see, so the answer
@@ -275,9 +301,16 @@ def _find_stop(text: str, stops: Sequence[str]) -> tuple[int, int, str] | None:
 
 
 def _stop_prefix_len(text: str, stops: Sequence[str], max_len: int) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-    for k in range(min(max_len - 1, len(text)), 0, -1):
-        tail = text[-k:]
-        if any(stop.startswith(tail) for stop in stops):
-            return k
-    return 0
+    """Length of the longest tail of `text` (at most max_len - 1 characters) that some stop
+    string starts with. Such a tail starts with that stop's first character, so one find()
+    per stop usually settles it (this runs every step of a request with stop strings)."""
+    best = 0
+    for stop in stops:
+        start = max(len(text) - min(len(stop), max_len - 1), 0)
+        at = text.find(stop[0], start)
+        while at >= 0:  # the first match is the longest tail for this stop
+            if stop.startswith(text[at:]):
+                best = max(best, len(text) - at)
+                break
+            at = text.find(stop[0], at + 1)
+    return best

@@ -38,8 +38,9 @@ from engine.core.step_stats import IterationTokens, engine_stats
 from engine.outputs import ErrorCode, RequestOutput, TokenLogprobs
 from engine.protocol import EngineLimits, EngineStats, InvalidParamError, check_token_ids
 from engine.snapshot import EngineSnapshot
+from engine.stream_detokenizer import new_detokenizer
 from engine.structured_output.manager import StructuredOutputs
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 from engine.worker.families import released_window
 from engine.worker.model_runner import ModelRunner
 from engine.worker.runner_output import RequestFault, RunnerOutput
@@ -164,7 +165,7 @@ class LLMEngine:
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
         grammar = self.grammars.start(params)  # in the pool; a cache hit is done already
         seq = Sequence(request_id, ids, params, priority, arrival_time)
-        req = RequestState(seq, IncrementalDetokenizer(self.tokenizer, ids, params),
+        req = RequestState(seq, new_detokenizer(self.tokenizer, ids, params),
                        deadline=deadline)
         self.scheduler.add(seq)  # nothing after these may fail and orphan the sequence
         self.requests[request_id] = req

@@ -3,7 +3,6 @@ and on a SentencePiece-style tokenizer (Metaspace + byte fallback) built in-proc
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 
 from engine.tokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer, Tokenizer
 from scheduler.sampling_params import SamplingParams
+from tests.support.sp_tokenizer import sentencepiece_tokenizer
 
 SAMPLES = [
     "Hello world, this is a streaming test.",
@@ -29,28 +29,7 @@ HYPO = settings(max_examples=150, deadline=None,
 @pytest.fixture(scope="session")
 def sp() -> Tokenizer:
     """A Llama-style SentencePiece tokenizer: '▁' for spaces, <0xNN> byte fallback pieces."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, normalizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    corpus = [s for s in SAMPLES if s.isascii()] * 10
-    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trained = RawTokenizer(models.BPE(unk_token="<unk>"))
-    trained.normalizer = normalizer
-    trained.train_from_iterator(
-        corpus, trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "<s>", "</s>"]))
-    model = json.loads(trained.to_str())["model"]
-    vocab = model["vocab"]
-    for b in range(256):
-        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
-    merges = [tuple(m) for m in model["merges"]]
-    raw = RawTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>",
-                                  byte_fallback=True, fuse_unk=True))
-    raw.normalizer = normalizer
-    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>",
-                                             eos_token="</s>", unk_token="<unk>"))
+    return sentencepiece_tokenizer([s for s in SAMPLES if s.isascii()] * 10)
 
 
 def stream(tok: Tokenizer, prompt: Sequence[int], chunks: Sequence[Sequence[int]],
