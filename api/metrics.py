@@ -112,6 +112,19 @@ class EngineCollector(Collector):
         info = self._cache_config(rows[0][1] if rows else EngineStats())
         if info is not None:
             yield info
+        yield self._memory(rows)
+
+    def _memory(self, rows: list[tuple[list[str], EngineStats]]) -> Metric:
+        """Where the engine's resident memory went once ready (engine/worker/memory.py):
+        weights by form, the KV pool, the warm-up, the rest, resident and peak."""
+        g = GaugeMetricFamily(self._p + "memory_bytes",
+                              "Engine resident memory by kind, once ready (bytes): weights "
+                              "by form, kv_pool, warm_up, other, resident, peak.",
+                              labels=[*self.labels, "kind"])
+        for labels, s in rows:
+            for kind, nbytes in s.memory:
+                g.add_metric([*labels, kind], float(nbytes))
+        return g
 
     def _iteration_tokens(self, rows: list[tuple[list[str], EngineStats]]) -> Metric:
         h = HistogramMetricFamily(self._p + "iteration_tokens_total",

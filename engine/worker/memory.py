@@ -9,6 +9,8 @@ its embedding, or the views MoE experts make of a stack, are one tensor.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,19 @@ def _status_bytes(field: str) -> int:
     return 0
 
 
+def release_freed() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim). Loading frees a lot
+    the allocator keeps: the dense weights that packing or quantizing replaced, the reader's
+    buffers. Measured on SmolLM2-135M bf16 ready to serve: 1359 -> 1023 MiB resident, int4
+    1480 -> 1114 MiB. A no-op where the C library has no malloc_trim."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's parameters and buffers by the form they are held in:
     packed_weights: oneDNN-packed linears; quantized_weights: int4/int8 weights and their
@@ -53,12 +68,22 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     seen: set[int] = set()
     for module, kind in _module_kinds(model):
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in seen or tensor.device.type == "meta":
+            key, nbytes = _storage(tensor)
+            if key in seen or tensor.device.type == "meta":
                 continue
-            seen.add(storage.data_ptr())
-            totals[kind] += storage.nbytes()
+            seen.add(key)
+            totals[kind] += nbytes
     return totals
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the memory a tensor holds. oneDNN's packed weights are opaque
+    (no storage to ask): each is its own, of numel x element size (its padding unseen)."""
+    try:
+        storage = tensor.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return id(tensor), tensor.numel() * tensor.element_size()
+    return storage.data_ptr(), storage.nbytes()
 
 
 def _module_kinds(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -122,11 +122,13 @@ class ModelRunner:
         self.kv_cache = self._new_pool(self.num_kv_blocks)
         self.sampling = SamplingBatchBuilder(self.vocab_size, self.eos_token_ids,
                                              seed=self.config.seed)
+        memory.release_freed()  # what loading freed, back to the OS: the steady RSS drops
         before_warm_up = memory.resident_bytes()
         self._warm_up()
         log.info("model %s on %s (%s): %d KV blocks of %d tokens; decode attention: %s",
                  self.model_display_name, self.device, self.dtype, self.num_kv_blocks,
                  self.block_size, "C++ kernel" if self.paged_decode_kernel else "torch")
+        memory.release_freed()  # and what the warm-up steps freed
         self.memory = memory.account(self.model, self.kv_cache, before_warm_up)
         log.info("memory: %s", self.memory.describe())
 

@@ -95,3 +95,25 @@ def test_bad_prefix_is_refused(prefix: str) -> None:
         check_prefix(prefix)
     with pytest.raises(ValueError, match="metrics prefix"):
         create_app(FakeEngine(), metrics_prefix=prefix)
+
+
+def test_the_engines_memory_account_is_served_by_kind() -> None:
+    """memory_bytes{kind}: the account engine/worker/memory.py makes once the engine is ready
+    (issue 37), one series per kind, from the engine's stats."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from api.metrics import EngineCollector
+    from engine.protocol import EngineStats
+
+    class Ready(FakeEngine):
+        def stats(self) -> EngineStats:
+            return EngineStats(memory=(("dense_weights", 1024), ("kv_pool", 4096),
+                                       ("resident", 9000)))
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(Ready(), "vllm", "m"))  # type: ignore[arg-type]
+    families = {f.name: f for f in text_string_to_metric_families(
+        generate_latest(registry).decode())}
+    got = {s.labels["kind"]: s.value for s in families["vllm:memory_bytes"].samples}
+    assert got == {"dense_weights": 1024, "kv_pool": 4096, "resident": 9000}
+    assert all(s.labels["model_name"] == "m" for s in families["vllm:memory_bytes"].samples)

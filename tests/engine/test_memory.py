@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.layers.quantization.linear import Int4Linear, Int8Linear
@@ -44,6 +45,25 @@ def test_quantized_weights_and_their_dense_copies_are_told_apart(tiny_llama: Pat
     assert got["quantized_weights"] == storage_bytes(own) > 0
     assert got["dense_copies"] == storage_bytes(copies) > 0
     assert sum(got.values()) == storage_bytes([*model.parameters(), *model.buffers()])
+
+
+def test_packed_weights_are_counted_and_replace_the_dense_ones(tiny_llama: Path) -> None:
+    """bf16 where oneDNN has bf16: every linear packed, no dense linear weight left beside
+    it (the embedding stays dense: the lookup reads it)."""
+    from engine.layers.packed_linear import PackedLinear, packing_applies
+
+    if not packing_applies(torch.device("cpu"), torch.bfloat16, False):
+        pytest.skip("oneDNN has no bf16 on this CPU: nothing is packed")
+    model = load_model(str(tiny_llama), device="cpu", dtype="bfloat16").model
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    got = weight_bytes(model)
+    assert got["packed_weights"] >= sum(m.in_features * m.out_features * 2 for m in packed) > 0
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    rest = [t for m in model.modules() if not isinstance(m, PackedLinear)
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+    assert got["dense_weights"] == storage_bytes(rest)  # the embedding, norms, RoPE's table
+    assert got["dense_weights"] < model.get_input_embeddings().weight.numel() * 2 + 1024
+    assert got["quantized_weights"] == got["dense_copies"] == 0
 
 
 def test_the_engine_serves_the_account(llama_runner: ModelRunner) -> None:
