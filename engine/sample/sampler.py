@@ -11,6 +11,15 @@ prepare step); nothing here reads a Sequence or turns a Python list into a tenso
 A draw is an inverse-CDF lookup with one uniform per row (not an exponential race: on CPU
 drawing V exponentials per row costs ~60 ms for 64 x 49152, the CDF lookup ~2 ms; neither
 syncs).
+
+One buffer. A sampled step makes one float32 [rows, vocab] buffer, from the first step that
+has to write (the processors' copy, the division by the temperature, or the softmax) and
+every later step writes into it: the softmax and the CDF in place, top-p over its candidates
+(engine/sample/nucleus.py). A step where every row samples gathers no rows. (It made four to
+six such buffers: the float copy, the processors' clone, the sampled rows' gather, the
+softmax, top-p's zero-filled scatter target, the CDF.) The arithmetic of every value is
+unchanged, so a seeded row draws the tokens it drew before (tests/engine/test_sampler_pinned.py)
+except where top-p's cut falls inside a run of equal probabilities (see nucleus.py).
 """
 
 from __future__ import annotations
@@ -19,42 +28,31 @@ from collections.abc import Callable
 
 import torch
 
+from engine.sample.nucleus import FLOORS, apply_top_p, nucleus_sample
 from engine.sample.sampling_batch import Penalties, RowParam, SamplingBatch
 from engine.worker.runner_output import TokenLogprobIds
-
-_TOP_P_CANDIDATES = 256  # top-p looks at this many best tokens before falling back to a sort
-
 
 # ----------------------------------------------------------------------------------------
 # Processing steps: each works on [n, V] rows in place and is testable on its own.
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
-    """In place on logits [p, V], the penalised rows; row i by its own prompt/output tokens.
+    """In place on logits [n, V]: row penalties.rows[i] by its own prompt/output tokens.
 
     repetition (HF/vLLM) covers prompt + output: a seen token's logit > 0 is divided by it,
     one < 0 multiplied. presence/frequency (OpenAI) cover output only:
     logit -= presence * (count > 0) + frequency * count. Only the seen (row, token) pairs
     are touched, so the cost follows the token count, not n * V."""
-    pen = penalties
-    rows, ids, _ = _distinct_tokens(pen.seen_rows, pen.seen_ids, logits)
-    if rows.numel():
-        vals, r = logits[rows, ids], pen.repetition[rows]
-        logits[rows, ids] = torch.where(vals > 0, vals / r, vals * r)
-    rows, ids, counts = _distinct_tokens(pen.output_rows, pen.output_ids, logits)
-    if rows.numel():
-        logits[rows, ids] -= pen.presence[rows] + pen.frequency[rows] * counts
+    pen, table = penalties, penalties.tokens
+    rows = pen.rows.unsqueeze(1)  # [p, 1]
+    ids, counts = table.token_ids, table.output_counts  # [p, L]
+    vals = logits[rows, ids]  # [p, L]
+    r = pen.repetition.unsqueeze(1)
+    vals = torch.where(vals > 0, vals / r, vals * r)
+    cut = pen.presence.unsqueeze(1) + pen.frequency.unsqueeze(1) * counts
+    # A row's padding repeats one of its pairs: the same value is written twice
+    logits[rows, ids] = torch.where(counts > 0, vals - cut, vals)
     return logits
-
-
-def _distinct_tokens(rows: torch.Tensor, ids: torch.Tensor,
-                     logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Distinct (row, token id) pairs of rows, ids [total] and how often each occurs, each [k].
-    Ids past the LM head (an embedding larger than the head) are skipped, as HF does."""
-    vocab = logits.shape[1]
-    keys = (rows * vocab + ids)[ids < vocab]
-    keys, counts = torch.unique(keys, return_counts=True)  # [k]
-    return keys // vocab, keys % vocab, counts.to(logits.dtype)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -65,38 +63,6 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Nucleus on probs [n, V] (zeros elsewhere): keep the best tokens until their mass
-    reaches top_p[i] (top_p [n], probs' dtype). Most rows are settled by the best few hundred
-    tokens; only rows whose nucleus is wider pay for a full sort (113 ms for 64 x 49152 on
-    CPU)."""
-    p = top_p.unsqueeze(1)  # [n, 1]
-    k = min(_TOP_P_CANDIDATES, probs.shape[1])
-    vals, ids = probs.topk(k, dim=-1)  # [n, k], best first
-    cum = vals.cumsum(-1)
-    out = torch.zeros_like(probs).scatter_(1, ids, vals * _nucleus(cum, vals, p))
-    if k < probs.shape[1]:
-        wide = (cum[:, -1] < p[:, 0]).nonzero().squeeze(1)  # [w] rows not settled
-        if wide.numel():
-            out.index_copy_(0, wide, _top_p_sorted(probs.index_select(0, wide), p[wide]))
-    return probs.copy_(out)
-
-
-def _top_p_sorted(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    vals, ids = probs.sort(dim=-1, descending=True)  # [n, V]
-    return torch.zeros_like(probs).scatter_(1, ids, vals * _nucleus(vals.cumsum(-1), vals, p))
-
-
-def _nucleus(cum: torch.Tensor, vals: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Which of the best-first vals [n, k] (cum their running sum) top-p keeps: those whose
-    preceding mass has not yet reached p, and always the best one (vLLM's rule): a top_p that
-    is 0 in float32 (5e-324) would otherwise keep nothing, and a draw from no mass returned
-    the id one past the vocabulary."""
-    keep = (cum - vals) < p
-    keep[:, 0] = True
-    return keep
-
-
 def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """In place on probs [n, V]: drop tokens with p < min_p[i] * max p (min_p [n])."""
     scale = min_p.unsqueeze(1)  # [n, 1]
@@ -105,9 +71,10 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw over probs [n, V] (>= 0, need not sum to 1) with uniforms [n] in
-    [0, 1). A zero-probability token owns an empty CDF interval, so it is never drawn."""
-    cdf = probs.cumsum(-1)  # [n, V], non-decreasing
+    """Inverse-CDF draw over probs [n, V] (>= 0, need not sum to 1; overwritten by its CDF)
+    with uniforms [n] in [0, 1). A zero-probability token owns an empty CDF interval, so it is
+    never drawn."""
+    cdf = probs.cumsum_(-1)  # [n, V], non-decreasing
     total = cdf[:, -1:]  # [n, 1]
     below_total = torch.nextafter(total, torch.zeros_like(total))  # keeps x inside the CDF
     x = torch.minimum(uniforms.unsqueeze(1) * total, below_total)  # [n, 1]
@@ -142,7 +109,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------
-# The batched sampler.
+# The batched sampler. "Owned" below: a float32 buffer of this call's, free to overwrite;
+# the caller's logits never are (the runner samples them again, row by row, after a failure).
 
 
 def sample(logits: torch.Tensor,
@@ -151,15 +119,17 @@ def sample(logits: torch.Tensor,
     assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (logits.shape,
                                                                      batch.num_rows)
     assert logits.shape[1] >= batch.vocab_size, (logits.shape, batch.vocab_size)
+    rows = logits[:, : batch.vocab_size]  # a padded LM head's tail is cut
     if _plain_greedy(batch):
         # The max of the model's own dtype: widening bf16 to fp32 is exact, so the same first
         # index of the max, without the [n, V] fp32 copy (64 x 49152: ~1.3 ms on the CPU).
-        tokens = logits[:, : batch.vocab_size].max(dim=-1).indices
-        return tokens.tolist(), [None] * batch.num_rows
-    raw = logits[:, : batch.vocab_size].float()  # [n, V]; a padded LM head's tail is cut
-    processed = _process(raw, batch)
-    tokens = _choose(processed, batch)  # [n]
-    return tokens.tolist(), _logprobs(raw, tokens, batch)
+        return rows.max(dim=-1).indices.tolist(), [None] * batch.num_rows
+    raw_logprobs = _raw_logprobs(rows, batch)
+    if _has_processors(batch):
+        tokens = _choose(_processed(rows, batch), batch, owned=True)
+    else:
+        tokens = _choose(rows, batch, owned=False)
+    return tokens.tolist(), _logprobs(raw_logprobs, tokens, batch)
 
 
 def _plain_greedy(batch: SamplingBatch) -> bool:
@@ -168,72 +138,160 @@ def _plain_greedy(batch: SamplingBatch) -> bool:
 
 
 def _has_processors(batch: SamplingBatch) -> bool:
-    """Anything that changes logits before the choice (what _process applies)."""
+    """Anything that changes logits before the choice (what _processed applies)."""
     return not (batch.bias is None and batch.banned is None and batch.penalties is None
                 and batch.allowed is None)
 
 
-def _process(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """grammar mask -> logit_bias -> min_tokens -> penalties, on a copy; raw is kept for
-    logprobs. The mask comes first: nothing after it can bring back a forbidden token."""
-    if not _has_processors(batch):
-        return raw
-    logits = raw.clone()
+def _owned(x: torch.Tensor) -> torch.Tensor:
+    return x.clone() if x.dtype == torch.float32 else x.float()
+
+
+def _processed(rows: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """grammar mask -> logit_bias -> min_tokens -> penalties, on the step's float32 copy.
+    The mask comes first: nothing after it can bring back a forbidden token."""
+    logits = _owned(rows)  # [n, V]
     if batch.allowed is not None:
-        rows, bitmask = batch.allowed
+        index, bitmask = batch.allowed
         forbidden = ~unpack_bitmask(bitmask, logits.shape[1])  # [c, V]
-        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(
             forbidden, float("-inf")))
     if batch.bias is not None:
-        rows, cols, vals = batch.bias
-        logits.index_put_((rows, cols), vals, accumulate=True)
+        index, cols, vals = batch.bias
+        logits.index_put_((index, cols), vals, accumulate=True)
     if batch.banned is not None:
-        rows, cols = batch.banned
-        logits[rows, cols] = float("-inf")
+        index, cols = batch.banned
+        logits[index, cols] = float("-inf")
     if batch.penalties is not None:
-        index = batch.penalties.rows
-        logits.index_copy_(0, index, apply_penalties(logits.index_select(0, index),
-                                                     batch.penalties))
+        apply_penalties(logits, batch.penalties)
     return logits
 
 
-def _choose(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Greedy rows: argmax (an all-greedy step costs one argmax). Others: a draw."""
-    if batch.num_sampled < logits.shape[0]:
+def _choose(logits: torch.Tensor, batch: SamplingBatch, owned: bool) -> torch.Tensor:
+    """Greedy rows: argmax (an all-greedy step costs one argmax). Others: a draw; when every
+    row is drawn, from logits itself (no gather)."""
+    if batch.sampled is None:
         # max(dim).indices: the same first index of the max as argmax, 2.7x faster on the
         # CPU (64 x 49152 fp32: 0.86 ms against 2.3)
-        tokens = logits.max(dim=-1).indices  # [n]; sampled rows are overwritten below
-    else:
-        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    if batch.sampled is not None:
-        index = batch.sampled
-        tokens.index_copy_(0, index, _draw(logits.index_select(0, index), batch))
+        return logits.max(dim=-1).indices
+    if batch.num_sampled == logits.shape[0]:
+        return _draw(logits, batch, owned)
+    tokens = logits.max(dim=-1).indices  # [n]; sampled rows are overwritten below
+    drawn = logits.index_select(0, batch.sampled)  # a new tensor: ours if float32
+    tokens.index_copy_(0, batch.sampled, _draw(drawn, batch, drawn.dtype == torch.float32))
     return tokens
 
 
-def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [s, V] of the sampled rows (a private copy) -> [s] tokens."""
+def _draw(logits: torch.Tensor, batch: SamplingBatch, owned: bool) -> torch.Tensor:
+    """logits [s, V] of the sampled rows -> [s] tokens: temperature, top-k, softmax, then
+    top-p, min-p and the draw (_draw_probs)."""
     assert batch.temperature is not None and batch.uniforms is not None
-    logits.div_(batch.temperature.unsqueeze(1))
+    if not batch.unit_temperature:  # x / 1 is x: skipped when every row has temperature 1
+        t = batch.temperature.unsqueeze(1)
+        logits = logits.div_(t) if owned else torch.div(logits, t)  # bf16 / fp32: fp32
+        owned = True
     if batch.top_k is not None:
+        logits = logits if owned else _owned(logits)
+        owned = True
         k_max = batch.top_k_max
         _on_rows(lambda x, k: apply_top_k(x, k, k_max), logits, batch.top_k)
-    probs = logits.softmax(dim=-1)  # [s, V]
-    if batch.top_p is not None:
-        _on_rows(apply_top_p, probs, batch.top_p)
-    if batch.min_p is not None:
-        _on_rows(apply_min_p, probs, batch.min_p)
-    return sample_from_probs(probs, batch.uniforms)
+    return _draw_probs(_softmax(logits, owned), batch)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor,
+def _softmax(logits: torch.Tensor, owned: bool) -> torch.Tensor:
+    """float32 probabilities, in place where the buffer is ours (on the CPU: the in-place form
+    of a GPU kernel is not promised). A bf16 input is widened first: softmax(dtype=float32)
+    would widen into one buffer and write into a second."""
+    on_cpu = logits.device.type == "cpu"
+    if not owned and (logits.dtype == torch.float32 or not on_cpu):
+        return logits.softmax(-1, dtype=torch.float32)
+    if not owned:
+        logits = logits.float()
+    return torch.softmax(logits, -1, out=logits) if on_cpu else logits.softmax(-1)
+
+
+def _draw_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """probs [s, V] (ours) -> [s] tokens. Top-p rows go through their candidates (the ones
+    that settle there); every other row through min-p and a draw over its whole row."""
+    uniforms = batch.uniforms
+    assert uniforms is not None
+    min_p = _dense(batch.min_p, probs.shape[0], probs)
+    top_p = batch.top_p
+    if top_p is None:
+        return _draw_rows(probs, None, min_p, uniforms)
+    index = top_p.rows  # None: every row
+    if index is None:
+        return _draw_top_p(probs, top_p.values, min_p, uniforms)
+    tokens = _draw_top_p(probs.index_select(0, index), top_p.values, _pick(min_p, index),
+                         uniforms[index])
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    others = torch.ones(probs.shape[0], dtype=torch.bool, device=probs.device)
+    others[index] = False
+    rest = others.nonzero().squeeze(1)
+    out.index_copy_(0, index, tokens)
+    if rest.numel():
+        out.index_copy_(0, rest, _draw_rows(probs.index_select(0, rest), None,
+                                            _pick(min_p, rest), uniforms[rest]))
+    return out
+
+
+def _draw_top_p(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None,
+                uniforms: torch.Tensor) -> torch.Tensor:
+    """Every row of probs [r, V] has a top_p: drawn over its candidates, with a lower floor
+    for the rows whose candidates hold too little mass, and over the whole row after
+    apply_top_p for the few that still do (very flat rows)."""
+    tokens, settled = nucleus_sample(probs, top_p, min_p, uniforms, FLOORS[0])
+    left = (~settled).nonzero().squeeze(1)  # [f] rows of probs not settled yet
+    for floor in FLOORS[1:]:
+        if not left.numel():
+            return tokens
+        found, settled = nucleus_sample(probs.index_select(0, left), top_p[left],
+                                        _pick(min_p, left), uniforms[left], floor)
+        tokens.index_copy_(0, left[settled], found[settled])
+        left = left[~settled]
+    if left.numel():
+        tokens.index_copy_(0, left, _draw_rows(probs.index_select(0, left), top_p[left],
+                                               _pick(min_p, left), uniforms[left]))
+    return tokens
+
+
+def _draw_rows(probs: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+               uniforms: torch.Tensor) -> torch.Tensor:
+    """Top-p (if given), min-p (if given), then the draw, each over whole rows of probs."""
+    if top_p is not None:
+        apply_top_p(probs, top_p)
+    if min_p is not None:  # rows without min_p carry 0: p < 0 drops nothing
+        apply_min_p(probs, min_p)
+    return sample_from_probs(probs, uniforms)
+
+
+def _dense(param: RowParam | None, n: int, like: torch.Tensor) -> torch.Tensor | None:
+    """A RowParam as [n] values (0 for the rows that did not set it); None if no row did."""
+    if param is None or param.rows is None:
+        return None if param is None else param.values
+    return torch.zeros(n, dtype=param.values.dtype, device=like.device).index_copy_(
+        0, param.rows, param.values)
+
+
+def _pick(values: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor | None:
+    if values is None or index is None:
+        return values
+    return values.index_select(0, index)
+
+
+def _raw_logprobs(rows: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+    """The asked rows' log-softmax of the raw logits [l, V], before anything is written."""
+    if batch.logprob_index is None:
+        return None
+    return rows.index_select(0, batch.logprob_index).float().log_softmax(-1)
+
+
+def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor,
               batch: SamplingBatch) -> list[TokenLogprobIds | None]:
     out: list[TokenLogprobIds | None] = [None] * batch.num_rows
-    if batch.logprob_index is not None:
-        index = batch.logprob_index
-        chosen = tokens.index_select(0, index)
-        found = token_logprobs(raw.index_select(0, index).log_softmax(-1), chosen,
-                               list(batch.logprob_top_n))
+    if raw is not None and batch.logprob_index is not None:
+        chosen = tokens.index_select(0, batch.logprob_index)
+        found = token_logprobs(raw, chosen, list(batch.logprob_top_n))
         for row, entry in zip(batch.logprob_rows, found):
             out[row] = entry
     return out

@@ -14,12 +14,13 @@ preemption or the device; unseeded rows take theirs from the builder's own gener
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
-from itertools import chain
 
 import torch
 
+from engine.sample.penalty_state import PenaltyState, TokenTable
 from engine.worker.step_tensors import to_device
 from scheduler import stop_policy
 from scheduler.sequence import Sequence
@@ -66,33 +67,28 @@ class Penalties:
     repetition: torch.Tensor  # [p] float32
     presence: torch.Tensor  # [p] float32
     frequency: torch.Tensor  # [p] float32
-    seen_rows: torch.Tensor  # [a] for every prompt + output token: its row in 0..p-1
-    seen_ids: torch.Tensor  # [a] that token id
-    output_rows: torch.Tensor  # [b] the same for output tokens only
-    output_ids: torch.Tensor  # [b]
+    tokens: TokenTable  # [p, L] each row's distinct prompt + output ids, their output counts
 
 
 def build_penalties(rows: list[int], prompt_ids: list[list[int]], output_ids: list[list[int]],
                     repetition: list[float], presence: list[float], frequency: list[float],
-                    device: torch.device) -> Penalties:
-    """Flatten each penalised row's ragged token lists into (row, token id) tensors."""
-    seen = [p + o for p, o in zip(prompt_ids, output_ids)]
-    seen_rows, seen_ids = _flatten(seen, device)
-    output_rows, output_ids_t = _flatten(output_ids, device)
+                    device: torch.device, vocab_size: int) -> Penalties:
+    """Penalties rebuilt from whole histories (what PenaltyState keeps step by step, and the
+    reference its tests compare with). Ids >= vocab_size are skipped, as HF skips ids past
+    the LM head; every row needs one id below it."""
+    seen = [[t for t in dict.fromkeys(p + o) if t < vocab_size]
+            for p, o in zip(prompt_ids, output_ids)]
+    counted = [Counter(o) for o in output_ids]
+    width = max(map(len, seen), default=0)
+    ids = [s + s[:1] * (width - len(s)) for s in seen]  # padding repeats the first pair
+    counts = [[float(c[t]) for t in row] for row, c in zip(ids, counted)]
     f32 = torch.float32
     return Penalties(rows=to_device(rows, torch.long, device),
                      repetition=to_device(repetition, f32, device),
                      presence=to_device(presence, f32, device),
                      frequency=to_device(frequency, f32, device),
-                     seen_rows=seen_rows, seen_ids=seen_ids,
-                     output_rows=output_rows, output_ids=output_ids_t)
-
-
-def _flatten(token_lists: list[list[int]],
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = chain.from_iterable([r] * len(t) for r, t in enumerate(token_lists))
-    return (to_device(rows, torch.long, device),
-            to_device(chain.from_iterable(token_lists), torch.long, device))
+                     tokens=TokenTable(to_device(ids, torch.long, device),
+                                       to_device(counts, f32, device)))
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -119,6 +115,7 @@ class SamplingBatch:
     # Structured outputs: (rows [c], int32 bitmask [c, ceil(V / 32)]) of the constrained
     # rows; token t allowed iff bit t % 32 of word t // 32 is set (engine/structured_output/grammar.py).
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    unit_temperature: bool = False  # every sampled row has temperature 1: no division needed
 
     @property
     def num_sampled(self) -> int:
@@ -162,6 +159,7 @@ class SamplingBatchBuilder:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < vocab_size)
         self._rng = random.Random(seed)  # unseeded rows; None seeds from OS entropy
+        self._penalty_state = PenaltyState(vocab_size)  # penalised requests' token counts
 
     def build(self, seqs: list[Sequence], device: torch.device,
               masks: GrammarMasks | None = None) -> SamplingBatch:
@@ -231,7 +229,8 @@ class SamplingBatchBuilder:
             bias=self._bias(plan, device), banned=self._banned(plan, device),
             penalties=self._penalties(plan, seqs, device),
             logprob_rows=tuple(plan.logprobs.rows), logprob_index=opt(plan.logprobs.rows, long),
-            logprob_top_n=tuple(plan.logprobs.values))
+            logprob_top_n=tuple(plan.logprobs.values),
+            unit_temperature=bool(plan.temperature) and all(t == 1.0 for t in plan.temperature))
 
     @staticmethod
     def _allowed(seqs: list[Sequence], constrained: dict[str, int], masks: GrammarMasks,
@@ -258,13 +257,21 @@ class SamplingBatchBuilder:
         rows, cols = zip(*plan.banned)
         return to_device(rows, torch.long, device), to_device(cols, torch.long, device)
 
-    @staticmethod
-    def _penalties(plan: _Plan, seqs: list[Sequence], device: torch.device) -> Penalties | None:
+    def _penalties(self, plan: _Plan, seqs: list[Sequence], device: torch.device) -> Penalties | None:
+        """The penalised rows' parameters, and their tokens from the incremental counts
+        (engine/sample/penalty_state.py). A row none of whose ids is in the vocabulary has
+        nothing to penalise and is left out."""
         if not plan.penalised:
             return None
-        chosen = [seqs[r] for r in plan.penalised]
-        params = [s.params for s in chosen]
-        return build_penalties(
-            plan.penalised, [s.prompt_token_ids for s in chosen],
-            [s.output_token_ids for s in chosen], [p.repetition_penalty for p in params],
-            [p.presence_penalty for p in params], [p.frequency_penalty for p in params], device)
+        kept, table = self._penalty_state.table([seqs[r] for r in plan.penalised], device)
+        if table is None:
+            return None
+        rows = [plan.penalised[i] for i in kept]
+        params = [seqs[r].params for r in rows]
+        f32 = torch.float32
+        return Penalties(
+            rows=to_device(rows, torch.long, device),
+            repetition=to_device([p.repetition_penalty for p in params], f32, device),
+            presence=to_device([p.presence_penalty for p in params], f32, device),
+            frequency=to_device([p.frequency_penalty for p in params], f32, device),
+            tokens=table)

@@ -45,9 +45,10 @@ def make_sampler(vocab_size: int, eos_token_ids: Collection[int] = (),
 
 
 def penalties(prompt_ids: list[list[int]], output_ids: list[list[int]], repetition: list[float],
-              presence: list[float], frequency: list[float]) -> Penalties:
+              presence: list[float], frequency: list[float], vocab: int = V) -> Penalties:
     rows = list(range(len(prompt_ids)))
-    return build_penalties(rows, prompt_ids, output_ids, repetition, presence, frequency, CPU)
+    return build_penalties(rows, prompt_ids, output_ids, repetition, presence, frequency, CPU,
+                           vocab)
 
 
 def make_seq(params: SamplingParams, prompt: list[int] | None = None,
@@ -77,7 +78,7 @@ def draw_many(sampler: SampleFn, logits: torch.Tensor, params: SamplingParams,
 def test_repetition_penalty_divides_positive_and_multiplies_negative() -> None:
     logits = torch.tensor([[2.0, -2.0, 4.0, -1.0, 0.0]])
     # tokens 0, 1, 4 in the prompt, token 3 generated three times; 9 is past the head
-    apply_penalties(logits, penalties([[0, 1, 4, 1, 9]], [[3, 3, 3]], [2.0], [0.0], [0.0]))
+    apply_penalties(logits, penalties([[0, 1, 4, 1, 9]], [[3, 3, 3]], [2.0], [0.0], [0.0], 5))
     assert logits.tolist() == [[1.0, -4.0, 4.0, -2.0, 0.0]]
 
 
