@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(measure(model, mode, args.dtype, args.kv_cache_memory, args.compile))
     print(table(rows))
     info = machine_info()
-    name = f"memory-{args.shape or Path(model).name}-{machine_slug(info)}"
+    label = args.shape or (Path(args.model).name if args.model else "smollm2-135m")
+    name = f"memory-{label}-{machine_slug(info)}"
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"machine": info, "model": model, "shape": args.shape,
                             "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,

@@ -182,6 +182,7 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     from engine.layers.moe import drop_stacked_weights, use_grouped_experts
     from engine.layers.packed_linear import pack_linears, packing_applies
     from engine.layers.quantization.quant import quantize_model, resolve_mode
+    from engine.worker.memory import detach_from_files
 
     source, name = resolve_source(model)
     check_supported(source)  # before any conversion or load
@@ -201,6 +202,10 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     if packing_applies(dev, dt, batch_invariant):
         pack_linears(hf_model)
     drop_stacked_weights(hf_model)  # the stacked expert weights, once no linear views them
+    copied = detach_from_files(hf_model)  # the file's mapping goes once nothing points in
+    if copied:
+        log.info("copied %.1f MiB still read from the checkpoint's mapping, which is released",
+                 copied / 2**20)
     log.info("loaded %s (%s, %s, quantization %s) in %.2f s", name, dev, dt, mode,
              time.perf_counter() - t0)
     return LoadedModel(hf_model, tokenizer, facts)

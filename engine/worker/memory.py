@@ -59,6 +59,54 @@ def release_freed() -> None:
     trim(0)
 
 
+CHECKPOINT_SUFFIXES = (".safetensors", ".gguf")
+
+
+def detach_from_files(model: nn.Module) -> int:
+    """Copy into anonymous memory the tensors still backed by a memory-mapped checkpoint
+    file, when they are a small part of the mapping, so it can be unmapped. -> bytes copied.
+
+    transformers reads safetensors through mmap. Once the loader has packed or quantized the
+    linears, only a few tensors (the embedding, norms) still point into the file, but they
+    keep the whole mapping, and every page the load touched stays resident as file pages:
+    a random Llama-3.2-1B in bf16, packed, was 4.9 GB resident, 2.3 GB of it the file; with
+    its 192 MB of embedding copied out, 3.0 GB. Where the file's tensors are most of the
+    mapping (a dense model used as loaded), they are the weights: kept as they are."""
+    ranges = _mapped_checkpoints()
+    if not ranges:
+        return 0
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for module in model.modules():
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            key, _ = _storage(tensor)
+            if any(start <= key < end for start, end in ranges):
+                by_storage.setdefault(key, []).append(tensor)
+    held = sum(ts[0].untyped_storage().nbytes() for ts in by_storage.values())
+    if not held or 2 * held > sum(end - start for start, end in ranges):
+        return 0
+    for tensors in by_storage.values():
+        copy = tensors[0].untyped_storage().clone()
+        for t in tensors:  # views and tied tensors keep sharing, now the copy
+            t.data = torch.empty(0, dtype=t.dtype).set_(copy, t.storage_offset(), t.size(),
+                                                         t.stride())
+    return held
+
+
+def _mapped_checkpoints() -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of checkpoint files (/proc/self/maps)."""
+    ranges = []
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].strip().endswith(CHECKPOINT_SUFFIXES):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's parameters and buffers by the form they are held in:
     packed_weights: oneDNN-packed linears; quantized_weights: int4/int8 weights and their
