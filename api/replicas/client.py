@@ -233,6 +233,12 @@ def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
         elif f.name == "iteration_tokens":
             rows = [v for v in values if v]
             total[f.name] = tuple(map(sum, zip(*rows, strict=True))) if rows else ()
+        elif f.name == "memory":  # (kind, bytes) pairs: added kind by kind
+            sums: dict[str, int] = {}
+            for pairs in values:
+                for kind, nbytes in pairs:
+                    sums[kind] = sums.get(kind, 0) + nbytes
+            total[f.name] = tuple(sums.items())
         elif isinstance(values[0], bool | str):
             total[f.name] = values[0]
         else:
