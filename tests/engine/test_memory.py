@@ -97,15 +97,3 @@ def test_a_packed_model_lets_go_of_its_checkpoints_mapping(tmp_path: Path) -> No
     ids = torch.tensor([[5, 9, 13]])
     with torch.inference_mode():
         assert torch.isfinite(model(input_ids=ids).logits).all()
-
-
-def test_a_dense_model_keeps_reading_its_weights_from_the_mapping(tmp_path: Path) -> None:
-    """float32 as stored: the file's tensors are the weights; nothing is copied."""
-    from engine.worker.memory import detach_from_files
-    from tests.support.models import build_checkpoint
-
-    folder = build_checkpoint(tmp_path / "dense", "llama")
-    model = load_model(str(folder), device="cpu", dtype="float32").model
-    if not _mapped(folder):
-        pytest.skip("transformers did not memory-map this checkpoint")
-    assert detach_from_files(model) == 0 and _mapped(folder)
