@@ -60,13 +60,15 @@ def paged_decode_available() -> bool:
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                 window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                 window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [D, H, hd]; pools [blocks, kvH, block_size, hd]; tables [D, W] and lens [D] int64
     -> [D, H, hd]; window: each query sees its last `window` positions (0: all); softcap:
-    scores become softcap * tanh(score / softcap) (0: unchanged). Only after
+    scores become softcap * tanh(score / softcap) (0: unchanged); sinks: [H] float32 logits
+    one more in each head's softmax sum (gpt-oss). Only after
     paged_decode_available() returned True."""
     return torch.ops.pagedserve_cpu.paged_decode(q, k_pool, v_pool, tables, lens, scale, window,
-                                                 softcap)
+                                                 softcap, sinks)
 
 
 # The library this process has loaded. Its ops register once per process (a second copy,

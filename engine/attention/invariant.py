@@ -10,7 +10,8 @@ only on its own sequence and position.
   zero and masked keys at -inf, whatever the chunk's start and length. So a prompt
   position gives the same bits whether its prompt came in one chunk or several, next to
   other sequences or alone (prompts are chunked differently in a busy step). A sliding
-  window is a mask on the same tile, so it changes no shape.
+  window is a mask on the same tile, so it changes no shape (blocks released out of the
+  window are read as block 0, masked: ModelRunner._held_blocks keeps positions absolute).
 
 A decode and a prefill of the same position still use different shapes (padding every
 decode to a block of queries would cost block_size times the decode attention), so a

@@ -414,15 +414,21 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                        scale: float, rule: ScoreRule) -> torch.Tensor:
     """SDPA's result for q [1, H, n, hd] over k, v [1, kvH, ctx, hd] and a bool mask [n, ctx],
-    with the rule's soft cap and sinks, which SDPA cannot apply."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [1, H, n, ctx]
-    if rule.softcap:
-        scores = cap_scores(scores, rule.softcap)
-    scores.masked_fill_(~mask, float("-inf"))
-    sink = None if rule.sink is None else rule.sink.view(1, -1, 1, 1)
-    return torch.matmul(softmax(scores, sink).to(q.dtype), v)
+    with the rule's soft cap and sinks, which SDPA cannot apply. One KV head's query group
+    at a time: the float32 scores of all heads at once ([H, n, ctx]: 4 GiB for 64 heads x a
+    2048-token chunk x 8k context) would be kvH times what one group holds."""
+    kv_heads = k.shape[1]
+    group = q.shape[1] // kv_heads
+    out = q.new_empty(q.shape)
+    for j in range(kv_heads):
+        heads = slice(j * group, (j + 1) * group)
+        scores = torch.matmul(q[0, heads], k[0, j].transpose(0, 1)).float() * scale  # [G, n, ctx]
+        if rule.softcap:
+            scores = cap_scores(scores, rule.softcap)
+        scores.masked_fill_(~mask, float("-inf"))
+        sink = None if rule.sink is None else rule.sink[heads].view(-1, 1, 1)
+        out[0, heads] = torch.matmul(softmax(scores, sink).to(q.dtype), v[0, j])
+    return out
 
 
 def causal(n: int, c: int, device: torch.device) -> torch.Tensor:

@@ -76,13 +76,16 @@ def detach_from_files(model: nn.Module) -> int:
     if not ranges:
         return 0
     by_storage: dict[int, list[torch.Tensor]] = {}
+    used: set[tuple[int, int]] = set()  # this model's mappings, not another model's
     for module in model.modules():
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             key, _ = _storage(tensor)
-            if any(start <= key < end for start, end in ranges):
+            mapping = next((r for r in ranges if r[0] <= key < r[1]), None)
+            if mapping is not None:
                 by_storage.setdefault(key, []).append(tensor)
+                used.add(mapping)
     held = sum(ts[0].untyped_storage().nbytes() for ts in by_storage.values())
-    if not held or 2 * held > sum(end - start for start, end in ranges):
+    if not held or 2 * held > sum(end - start for start, end in used):
         return 0
     for tensors in by_storage.values():
         copy = tensors[0].untyped_storage().clone()

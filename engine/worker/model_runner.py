@@ -350,9 +350,14 @@ class ModelRunner:
         """A block table without the leading blocks the scheduler released out of a sliding
         window (NULL_BLOCK), and how many tokens they covered. Attention sees the rest as a
         context that starts at 0: K carries its rotary position already, and the window's
-        mask counts back from the end, so shifting every position alike changes nothing."""
+        mask counts back from the end, so shifting every position alike changes nothing.
+        Batch-invariant mode shifts nothing: its tiles and decode groups take their widths
+        from the position, and the shift depends on how the prompt was chunked (bf16 rounds
+        a wider tile differently). There the released entries read block 0, masked out."""
         if not table or table[0] != NULL_BLOCK:
             return table, 0
+        if self.config.batch_invariant:
+            return [0 if b == NULL_BLOCK else b for b in table], 0
         k = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
         return table[k:], k * self.block_size
 

@@ -119,3 +119,17 @@ def test_the_tiles_take_a_window_soft_cap_and_sinks_as_the_torch_path(
         want = torch.nn.functional.scaled_dot_product_attention(
             q[None], ks, vs, attn_mask=mask, scale=0.3, enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_released_window_blocks_keep_positions_absolute(invariant_runner: ModelRunner,
+                                                        llama_runner: ModelRunner) -> None:
+    """Blocks released out of a sliding window: the usual step shifts the rest of the table
+    to start at 0; batch-invariant mode reads them as block 0 (masked) instead, because its
+    tile widths follow the position and the shift follows how the prompt was chunked (a
+    150-token prompt in one chunk or in 40-token chunks gave other bf16 bits before)."""
+    from scheduler.block_manager import NULL_BLOCK
+
+    table = [NULL_BLOCK, NULL_BLOCK, 5, 7]
+    assert invariant_runner._held_blocks(table) == ([0, 0, 5, 7], 0)
+    assert llama_runner._held_blocks(table) == ([5, 7], 2 * llama_runner.block_size)
+    assert invariant_runner._held_blocks([3, 4]) == ([3, 4], 0)

@@ -97,3 +97,33 @@ def test_a_packed_model_lets_go_of_its_checkpoints_mapping(tmp_path: Path) -> No
     ids = torch.tensor([[5, 9, 13]])
     with torch.inference_mode():
         assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def _bf16_checkpoint(folder: Path, seed: int) -> Path:
+    """A Llama stored in bf16 and large enough (16 MB) that transformers memory-maps it."""
+    import transformers
+
+    from tests.support.models import build_tokenizer
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)  # type: ignore[arg-type]
+    build_tokenizer(folder)
+    return folder
+
+
+def test_another_models_mapping_does_not_make_a_dense_model_copy_itself(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The half-the-mapping rule counts this model's own mappings only: a dense model read
+    as stored keeps its file's pages while another model's file is mapped too (it was
+    copied whole before)."""
+    a, b = _bf16_checkpoint(tmp_path / "a", 0), _bf16_checkpoint(tmp_path / "b", 1)
+    other = load_model(str(a), device="cpu", dtype="bfloat16", batch_invariant=True).model
+    with caplog.at_level("INFO", logger="engine.worker.loader"):
+        dense = load_model(str(b), device="cpu", dtype="bfloat16", batch_invariant=True).model
+    if not (_mapped(a) and _mapped(b)):
+        pytest.skip("transformers did not memory-map these checkpoints")
+    assert other is not None and dense is not None
+    assert "still read from the checkpoint's mapping" not in caplog.text

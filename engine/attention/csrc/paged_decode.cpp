@@ -215,7 +215,7 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 // T, hd] query of the fused step is read in place, whatever its layout); out points at their
 // [group, head_dim] output rows; buf is the task's scratch.
 // HD: the head dim as a compile-time constant (0: read it from s), so the row loops unroll.
-// rule: the layer's sliding window and soft cap (ScoreRule). Whole blocks from the window's
+// rule: the layer's sliding window, soft cap and sinks (ScoreRule). Whole blocks from the window's
 // first one are scored (the kernels read blocks); the rows of that block before the window
 // get weight 0 in the softmax.
 // Block by block: the block's rows are widened to fp32 once, then each query head goes over
