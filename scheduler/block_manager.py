@@ -153,7 +153,8 @@ class BlockManager:
         query sits at num_computed_tokens and sees positions >= num_computed_tokens - window
         + 1, so a block ending before that is dead. The block at len(block_hashes) - 1 is
         kept: cache_full_blocks reads it as the parent of the next block it publishes.
-        Released published blocks stay in the prefix cache. Returns how many it released."""
+        Released published blocks stay in the prefix cache, but, freed before the sequence's
+        tail, they are the first evicted under pressure. Returns how many it released."""
         dead = max(0, seq.num_computed_tokens - window + 1) // self.block_size
         if self.enable_prefix_caching:
             dead = min(dead, len(seq.block_hashes) - 1)
