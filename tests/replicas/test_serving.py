@@ -237,7 +237,9 @@ def test_live_view_has_a_panel_per_replica_with_its_snapshot(url: str) -> None:
     assert {e["name"] for e in look()} == replicas
     # The snapshots come with the replicas' next reports, once the board says "watched".
     until(lambda seen: all(len(str(e["kv_blocks"])) == 400 for e in seen), "no snapshots")
-    body = {"prompt": "hello " * 20, "max_tokens": 64, "ignore_eos": True}
+    # Long enough to run across several 250 ms reports: 64 tokens could start and finish
+    # between two of them on a fast CPU (it failed so once), ~400 take the tiny model ~1 s.
+    body = {"prompt": "hello " * 20, "max_tokens": 400, "ignore_eos": True}
     worker = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
                               kwargs={"json": body, "timeout": 60})
     worker.start()
