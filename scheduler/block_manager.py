@@ -158,11 +158,12 @@ class BlockManager:
         dead = max(0, seq.num_computed_tokens - window + 1) // self.block_size
         if self.enable_prefix_caching:
             dead = min(dead, len(seq.block_hashes) - 1)
+        start = dead  # the NULL entries are a prefix: only the run just before `dead` is new
+        while start > 0 and seq.block_table[start - 1] != NULL_BLOCK:
+            start -= 1
         released = 0
-        for i in range(dead):
+        for i in range(start, dead):
             block_id = seq.block_table[i]
-            if block_id == NULL_BLOCK:
-                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:

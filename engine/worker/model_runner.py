@@ -11,6 +11,7 @@ SchedulerOutput's sequences, so there is nothing to release when a request ends.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 from collections.abc import Callable
@@ -358,7 +359,7 @@ class ModelRunner:
             return table, 0
         if self.config.batch_invariant:
             return [0 if b == NULL_BLOCK else b for b in table], 0
-        k = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+        k = bisect.bisect_left(table, True, key=lambda b: b != NULL_BLOCK)  # NULLs: a prefix
         return table[k:], k * self.block_size
 
     def _slot(self, table: list[int], pos: int) -> int:
