@@ -50,6 +50,19 @@ class SchedulerConfig:
     decode_step_prefill_tokens_per_seq: int = option(
         0, "grow that cap to this many prompt tokens per decoding sequence, so a wide decode "
         "batch still admits new prompts quickly; 0 = a fixed cap")
+    # The step-time budget (scheduler/step_budget.py): while sequences decode, a step takes the
+    # prompt tokens that the cost model, fitted to the server's own steps, says fit within
+    # this many milliseconds, or within prefill_stretch times what its decodes alone cost,
+    # whichever is longer; the two token caps above then apply only until the model is
+    # fitted. 0 = off: the token caps alone, as before.
+    target_itl_ms: float = option(
+        0.0, "step-time budget in ms: while sequences decode, a step takes only the prompt "
+        "tokens that a cost model fitted to the server's own steps says fit in it, so new "
+        "prompts do not stall running streams; 0 = off (the token caps alone)")
+    prefill_stretch: float = option(
+        1.5, "with --target-itl-ms, a step whose decodes alone come near the target may "
+        "still take prompt tokens up to this many times its decode-only time, so a wide "
+        "batch keeps admitting prompts")
     # Bounded waiting queue (0 = unbounded); beyond it add() raises QueueFullError.
     max_num_queued_reqs: int = option(0, "waiting requests before 429, 0 = unbounded")
     max_num_queued_tokens: int = option(0, "waiting prompt tokens before 429, 0 = unbounded")
@@ -65,6 +78,10 @@ class SchedulerConfig:
             raise ValueError("decode_step_prefill_tokens must be >= 0")
         if self.decode_step_prefill_tokens_per_seq < 0:
             raise ValueError("decode_step_prefill_tokens_per_seq must be >= 0")
+        if not 0 <= self.target_itl_ms < float("inf"):
+            raise ValueError("target_itl_ms must be >= 0 and finite")
+        if not 1 <= self.prefill_stretch < float("inf"):
+            raise ValueError("prefill_stretch must be >= 1 and finite")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError("policy must be 'fcfs' or 'priority'")
 

@@ -11,6 +11,10 @@ every sequence the scheduler knows is unfinished; a sequence that fits the pool 
 runs eventually (the oldest running sequence is never the victim while another exists).
 Admission only spends budget left after every running sequence got its share, and a
 sequence's share never grows, so every running sequence gets at least one token each step.
+
+While sequences decode, the prompt tokens of a step (running chunks and admissions alike) are
+bounded by an allowance: a token cap (decode_step_prefill_tokens), or with --target-itl-ms
+the time the step-time budget (scheduler/step_budget.py) leaves beside the decodes.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.limits import EngineLimits
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.step_budget import Allowance, StepBudget, TokenAllowance
+from scheduler.step_cost import StepShape
 
 
 class Scheduler:
@@ -49,7 +55,10 @@ class Scheduler:
         self._order: dict[str, int] = {}  # arrival tie-break
         self._counter = itertools.count()
         self._waiting_tokens = 0
-        self._prefill_left = 0  # this step's prompt-token allowance (set by schedule())
+        self.step_budget = (StepBudget(config.target_itl_ms / 1e3, config.prefill_stretch)
+                            if config.target_itl_ms > 0 else None)
+        # This step's prompt-work allowance (set by schedule()).
+        self._allowance: Allowance = TokenAllowance(0)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -159,16 +168,36 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._prefill_left = self._prefill_cap()
+        self._allowance = self._prefill_allowance()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted_ids:  # a step that preempted has no blocks to spare
-            self._schedule_waiting(out, min(budget, self._prefill_left))
+            self._schedule_waiting(out, budget)
         return out
 
-    def _prefill_cap(self) -> int:
-        """Prompt tokens this step may take in all (see decode_step_prefill_tokens)."""
-        decoding = sum(seq.num_uncomputed_tokens == 1 for seq in self.running)
-        return self.config.decode_step_prefill_cap(decoding) or self.config.max_num_batched_tokens
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """A step's shape (scheduler.step_cost.shape_of, taken before postprocess) and wall
+        time, for the step-time budget's fit; a no-op while the budget is off."""
+        if self.step_budget is not None:
+            self.step_budget.observe(shape, seconds)
+
+    def _prefill_allowance(self) -> Allowance:
+        """The prompt work this step may take in all: the step's token budget when nothing
+        decodes; else the step-time budget's allowance, or the token cap (see
+        decode_step_prefill_tokens) while the budget is off or not fitted yet."""
+        cfg = self.config
+        decoding = [seq for seq in self.running if seq.num_uncomputed_tokens == 1]
+        if not decoding:
+            return TokenAllowance(cfg.max_num_batched_tokens)
+        if self.step_budget is not None:
+            context = sum(seq.num_computed_tokens for seq in decoding) + len(decoding)
+            drawn = sum(not seq.params.greedy for seq in decoding)
+            forming = min(cfg.max_num_seqs, len(self.running) + len(self.waiting))
+            shape = StepShape(len(decoding), 0, context, sampled_rows=drawn)
+            timed = self.step_budget.allowance(shape, forming)
+            if timed is not None:
+                return timed
+        return TokenAllowance(cfg.decode_step_prefill_cap(len(decoding))
+                              or cfg.max_num_batched_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in list(self.running):
@@ -176,8 +205,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or (defensive) no budget left
             n = min(seq.num_uncomputed_tokens, self.config.prefill_chunk_cap, budget)
             assert n > 0, f"running sequence with nothing to compute: {seq!r}"
-            if n > 1:  # a prefill chunk: within this step's prompt-token cap
-                n = min(n, self._prefill_left)
+            if seq.num_uncomputed_tokens > 1:  # a prefill chunk: within this step's allowance
+                n = self._allowance.fit(seq.num_computed_tokens, n)
                 if n == 0:
                     continue  # its next chunk waits for a step with room
             while not self.block_manager.can_allocate(seq, n):
@@ -192,12 +221,12 @@ class Scheduler:
         return budget
 
     def _take(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        """Schedule n tokens of a running seq. The prompt-token cap is debited only here, once
+        """Schedule n tokens of a running seq. The prompt allowance is debited only here, once
         the chunk has its blocks: a chunk that is preempted gives it back (see _preempt)."""
         out.seqs.append(seq)
         out.num_scheduled_tokens.append(n)
-        if n > 1:
-            self._prefill_left -= n
+        if seq.num_uncomputed_tokens > 1:
+            self._allowance.debit(seq.num_computed_tokens, n)
 
     def _pick_victim(self) -> Sequence:
         if self.config.policy == "priority":
@@ -209,6 +238,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Recompute preemption; returns the budget seq had taken in this step (if any)."""
+        computed, prefilling = seq.num_computed_tokens, seq.num_uncomputed_tokens > 1
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -222,8 +252,8 @@ class Scheduler:
         i = out.seqs.index(seq)
         del out.seqs[i]
         n = out.num_scheduled_tokens.pop(i)
-        if n > 1:  # its prefill chunk no longer counts against this step's prompt-token cap
-            self._prefill_left += n
+        if prefilling:  # its prefill chunk no longer counts against this step's allowance
+            self._allowance.credit(computed, n)
         return n
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -243,14 +273,20 @@ class Scheduler:
             budget -= n
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Move seq to running with its prefix hits and first chunk; 0 if blocks are short."""
+        """Move seq to running with its prefix hits and first chunk; 0 if blocks are short or
+        the step's prompt allowance has no room for it."""
         bm = self.block_manager
         hits = bm.get_computed_blocks(seq)
         num_cached = len(hits) * bm.block_size
         n = min(seq.num_tokens - num_cached, self.config.prefill_chunk_cap, budget)
-        if not bm.can_allocate(seq, n, hits):
+        prefilling = seq.num_tokens - num_cached > 1
+        if prefilling:
+            n = self._allowance.fit(num_cached, n)
+        if n == 0 or not bm.can_allocate(seq, n, hits):
             return 0
         bm.allocate(seq, n, hits)
+        if prefilling:
+            self._allowance.debit(num_cached, n)
         seq.num_computed_tokens = num_cached
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()

@@ -49,6 +49,7 @@ from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
+from scheduler.step_cost import StepShape, shape_of
 
 logger = logging.getLogger("pagedserve.engine")
 
@@ -213,6 +214,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
+        # The step-time budget learns from the step's shape, taken before postprocess.
+        shape = shape_of(batch) if self.scheduler.step_budget is not None else None
         try:
             self._run(batch, outputs)
         except RequestFault as e:  # some requests' own inputs: theirs alone, not the engine's
@@ -221,6 +224,8 @@ class LLMEngine:
             outputs += self._fail_step(batch, e)
         else:
             self.consecutive_failures = 0
+            if shape is not None:  # the whole step, as a stream waits for it
+                self._observe_step(shape, time.perf_counter() - started)
         self.step_log.record(self.num_steps, batch, started)
         return outputs
 
@@ -246,6 +251,20 @@ class LLMEngine:
                 continue
             if out is not None:
                 outputs.append(out)
+
+    def _observe_step(self, shape: StepShape, seconds: float) -> None:
+        budget = self.scheduler.step_budget
+        assert budget is not None
+        fitted = budget.model is not None
+        self.scheduler.observe_step(shape, seconds)
+        if not fitted and budget.model is not None:
+            m = budget.model
+            logger.info("step-time budget: cost model fitted (%.1f ms a step, %.2f ms a decode "
+                        "row, %.3f ms a prompt token, %.2f ms a prompt chunk); steps that "
+                        "carry decodes now take the prompt work that fits %.0f ms or %.1fx "
+                        "their decodes", 1e3 * m.fixed, 1e3 * m.per_decode,
+                        1e3 * m.per_prefill, 1e3 * m.per_prefill_seq, 1e3 * budget.target_s,
+                        budget.stretch)
 
     def _install_grammars(self) -> list[RequestOutput]:
         """Requests whose compile finished may be admitted; a spec that failed ends its request

@@ -4,6 +4,7 @@ preemption, chunked prefill or a prefix-cache hit. Every scenario ends with all 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -14,7 +15,9 @@ from engine.core.llm_engine import LLMEngine
 from engine.worker.loader import load_model
 from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
+from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
+from scheduler.step_cost import CostModel, StepShape
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -124,6 +127,40 @@ def test_arrivals_while_others_decode(smollm2_runner, smol_prompts, smol_referen
     ids = list(smol_prompts)
     arrivals = {0: ids[:3], 3: ids[3:6], 7: ids[6:9], 12: ids[9:]}
     assert run(engine, smol_prompts, arrivals=arrivals) == smol_reference(smol_prompts)
+
+
+@pytest.mark.slow
+def test_arrivals_under_the_step_time_budget(smollm2_runner, smol_prompts, smol_reference) -> None:
+    """--target-itl-ms: a fitted cost model sizes the prompt chunks that join decoding steps
+    (here a fixed one that leaves room for a few prompt tokens a step, so every arrival is
+    cut into small chunks of varying length); the engine feeds it every step's shape and time."""
+    engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=256,
+                         target_itl_ms=20.0, prefill_stretch=1.0)
+    budget = engine.scheduler.step_budget
+    assert budget is not None
+    truth = CostModel(fixed=0.010, per_decode=0.001, per_prefill=0.001, per_prefill_seq=0.001)
+    for d, p, s in itertools.product((0, 1, 3, 6), (0, 5, 20, 60), (1, 2)):
+        if d or p:
+            shape = StepShape(d, p, 0, 0.0, s if p else 0)
+            budget.observe(shape, truth.step_time(shape))
+    assert budget.model is not None
+    seen: list[tuple[StepShape, float]] = []
+    budget.observe = lambda shape, seconds: seen.append((shape, seconds))  # type: ignore[method-assign]
+    chunks: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def spy() -> SchedulerOutput:
+        out = schedule()
+        decoding = any(n == 1 for n in out.num_scheduled_tokens)
+        chunks.extend(n for n in out.num_scheduled_tokens if n > 1 and decoding)
+        return out
+
+    engine.scheduler.schedule = spy  # type: ignore[method-assign]
+    ids = list(smol_prompts)
+    arrivals = {0: ids[:3], 3: ids[3:6], 7: ids[6:9], 12: ids[9:]}
+    assert run(engine, smol_prompts, arrivals=arrivals) == smol_reference(smol_prompts)
+    assert chunks and max(chunks) <= 10 and len(set(chunks)) > 1, chunks
+    assert len(seen) == engine.num_steps and all(t > 0 for _, t in seen)
 
 
 @pytest.mark.slow

@@ -35,6 +35,8 @@ def test_sampling_params_defaults_and_flags() -> None:
     ({"policy": "lifo"}, "policy"),
     ({"decode_step_prefill_tokens": -1}, "decode_step_prefill_tokens"),
     ({"decode_step_prefill_tokens_per_seq": -1}, "decode_step_prefill_tokens_per_seq"),
+    ({"target_itl_ms": -1.0}, "target_itl_ms"), ({"target_itl_ms": float("nan")}, "target_itl_ms"),
+    ({"prefill_stretch": 0.5}, "prefill_stretch"),
 ])
 def test_scheduler_config_validation(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):

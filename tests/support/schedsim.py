@@ -18,8 +18,14 @@ from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.step_cost import CostModel, StepShape, shape_of
 
 VOCAB = 50  # sampled ids are in [2, VOCAB); 0 and 1 are free for EOS/stop tests
+# What a step "takes" in these simulations (seconds), for the step-time budget to fit: a 10 ms
+# floor, 0.5 ms a decode row (0.8 ms if it draws), 0.2 ms a prompt token, 1 ms a prefill
+# chunk, and attention.
+SIM_COST = CostModel(fixed=0.010, per_decode=0.0005, per_prefill=0.0002, per_decode_ctx=0.001,
+                     per_prefill_attn=0.05, per_prefill_seq=0.001, per_sampled_row=0.0003)
 
 
 def next_token(token_ids: list[int]) -> int:
@@ -86,8 +92,17 @@ def decoding(sched: Scheduler) -> int:
     return sum(seq.num_uncomputed_tokens == 1 for seq in sched.running)
 
 
-def check_output(sched: Scheduler, out: SchedulerOutput, was_decoding: int = 0) -> None:
-    """What every SchedulerOutput must satisfy (`was_decoding`: decoding(sched) before it)."""
+def decode_shape(sched: Scheduler) -> StepShape:
+    """Call before schedule(): the running decodes as the step-time budget prices them."""
+    rows = [seq for seq in sched.running if seq.num_uncomputed_tokens == 1]
+    return StepShape(len(rows), 0, sum(seq.num_computed_tokens + 1 for seq in rows),
+                     sampled_rows=sum(not seq.params.greedy for seq in rows))
+
+
+def check_output(sched: Scheduler, out: SchedulerOutput, was_decoding: int = 0,
+                 allowed: float | None = None) -> None:
+    """What every SchedulerOutput must satisfy (`was_decoding`: decoding(sched) before it;
+    `allowed`: the step-time budget's cap in seconds for this step, if it had one)."""
     cfg = sched.config
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
     assert len(out.seqs) <= cfg.max_num_seqs
@@ -97,22 +112,42 @@ def check_output(sched: Scheduler, out: SchedulerOutput, was_decoding: int = 0) 
         assert 1 <= n <= cfg.prefill_chunk_cap, (seq, n)
         assert seq.status == SequenceStatus.RUNNING and seq.seq_id not in out.preempted_ids
         assert seq.num_computed_tokens + n <= seq.num_tokens
-    # While something decodes, prompt tokens (chunks of more than one) stay within the cap.
+    # While something decodes, prompt tokens (chunks of more than one) stay within the cap;
+    # or, with the step-time budget fitted, the step's predicted time within its cap.
     cap = cfg.decode_step_prefill_cap(was_decoding)
-    if cap:
+    model = sched.step_budget.model if sched.step_budget is not None else None
+    if cap and model is None:
         assert sum(n for n in out.num_scheduled_tokens if n > 1) <= cap, out
+    if allowed is not None and model is not None:
+        assert model.step_time(shape_of(out)) <= allowed * (1 + 1e-9), (out, allowed)
     # Admission only uses budget the running sequences left over: none of them is skipped,
-    # except a prefill that must wait for room under that cap.
+    # except a prefill that must wait for room under that cap or budget.
+    limited = cap > 0 or sched.step_budget is not None
     scheduled = set(map(id, out.seqs))
     for seq in sched.running:
-        assert id(seq) in scheduled or (cap > 0 and seq.num_uncomputed_tokens > 1), seq
+        assert id(seq) in scheduled or (limited and seq.num_uncomputed_tokens > 1), seq
+
+
+def step_cap(sched: Scheduler) -> float | None:
+    """Call before schedule(): the step-time budget's cap on this step (None: no cap)."""
+    budget = sched.step_budget
+    if budget is None or budget.model is None or not decoding(sched):
+        return None
+    shape = decode_shape(sched)
+    forming = min(sched.config.max_num_seqs, sched.num_running + sched.num_waiting)
+    allowance = budget.allowance(shape, forming)
+    assert allowance is not None
+    return budget.model.step_time(shape) + allowance.seconds
 
 
 def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Sequence]]:
-    was_decoding = decoding(sched)
+    """One step; with the step-time budget on, the step "takes" SIM_COST's time for it."""
+    was_decoding, allowed = decoding(sched), step_cap(sched)
     out = sched.schedule()
-    check_output(sched, out, was_decoding)
+    check_output(sched, out, was_decoding, allowed)
     sched.check_invariants()
+    if out.seqs:
+        sched.observe_step(shape_of(out), SIM_COST.step_time(shape_of(out)))
     done = sched.postprocess(out, runner.run(out))
     sched.check_invariants()
     return out, done
