@@ -58,6 +58,14 @@ async def _framed(events: AsyncGenerator[dict[str, Any], None],
     yield ServerSentEvent(data="[DONE]", sep=SEP)
 
 
+# Characters that are no line break to SSE or JSON but are to str.splitlines, which some
+# clients split a stream with (httpx's aiter_lines): raw in a token's text, they cut its event
+# in two there. Escaped, the JSON decodes to the same text.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _event(payload: dict[str, Any]) -> ServerSentEvent:
     text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    if not text.isascii():  # (the ASCII ones, below 0x20, json.dumps escapes itself)
+        text = text.translate(_LINE_BREAKS)
     return ServerSentEvent(data=text, sep=SEP)

@@ -276,7 +276,7 @@ def run(args: argparse.Namespace, registry: dict[str, Any], tok: Tokenizer, fold
 def budget(text: str) -> tuple[float, float]:
     """'40' or '40:2' -> (target ms, prefill stretch)."""
     t, _, st = text.partition(":")
-    value = (float(t), float(st) if st else 1.5)
+    value = (float(t), float(st) if st else 2.0)
     if not value[0] > 0 or value[1] < 1:
         raise argparse.ArgumentTypeError(f"need TARGET_MS > 0 and STRETCH >= 1, got {text!r}")
     return value
@@ -286,8 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_itl_budget", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budgets", type=budget, nargs="+",
-                   default=[(25.0, 1.5), (40.0, 1.5), (60.0, 1.5), (40.0, 2.0)],
-                   help="budget servers as TARGET_MS[:STRETCH] (stretch 1.5 when left out); "
+                   default=[(20.0, 2.0), (30.0, 2.0), (45.0, 2.0), (30.0, 1.5)],
+                   help="budget servers as TARGET_MS[:STRETCH] (stretch 2 when left out); "
                    "the caps server always runs")
     p.add_argument("--concurrencies", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--sampling-concurrencies", type=int, nargs="*", default=[16, 64],

@@ -60,9 +60,9 @@ class SchedulerConfig:
         "tokens that a cost model fitted to the server's own steps says fit in it, so new "
         "prompts do not stall running streams; 0 = off (the token caps alone)")
     prefill_stretch: float = option(
-        1.5, "with --target-itl-ms, a step whose decodes alone come near the target may "
-        "still take prompt tokens up to this many times its decode-only time, so a wide "
-        "batch keeps admitting prompts")
+        2.0, "with --target-itl-ms, a step may also take prompt tokens up to this many times "
+        "the decode step of the batch it is forming (its running and waiting sequences), so "
+        "a wide batch keeps admitting prompts")
     # Bounded waiting queue (0 = unbounded); beyond it add() raises QueueFullError.
     max_num_queued_reqs: int = option(0, "waiting requests before 429, 0 = unbounded")
     max_num_queued_tokens: int = option(0, "waiting prompt tokens before 429, 0 = unbounded")

@@ -11,7 +11,7 @@ lets prompt chunks fill the time up to
     max(target, prefill_stretch * decode-only time of the forming batch)
 
 The second term keeps prompts flowing when the decodes alone come near the target (a wide
-batch): its streams then pause at most prefill_stretch times their usual gap. The forming
+batch): its streams then pause at most prefill_stretch times their steady gap. The forming
 batch is the running decodes plus the prompts waiting to join them (see allowance()). A step
 with nothing decoding has no stream to stall and keeps the whole token budget.
 
@@ -29,7 +29,7 @@ from scheduler.step_cost import CostModel, NormalEquations, StepShape
 
 WINDOW = 512  # recent steps the fit sees: ~5-30 s of serving
 REFIT_EVERY = 16  # steps between refits (a 7x7 solve, ~0.1 ms)
-MIN_POINTS = 8  # decode steps and prefill steps the window needs before the fit is trusted
+MIN_POINTS = 4  # decode steps and prefill steps the window needs before the fit is trusted
 # A step observed above this multiple of the model's prediction counts as this multiple: a
 # garbage collection, a recompile or a noisy neighbour must not teach the model that every
 # step is slow (it is relative error that the fit minimises, so one 50x outlier would

@@ -36,11 +36,11 @@ class FakeServer:
 
 
 def test_budget_flags() -> None:
-    assert budget("40") == (40.0, 1.5) and budget("25:2") == (25.0, 2.0)
+    assert budget("40") == (40.0, 2.0) and budget("25:1.5") == (25.0, 1.5)
     for bad in ("0", "40:0.5", "-3"):
         with pytest.raises(argparse.ArgumentTypeError):
             budget(bad)
-    args = parse_args(["--budgets", "30", "50:2", "--no-vllm", "--sampling-concurrencies"])
+    args = parse_args(["--budgets", "30:1.5", "50", "--no-vllm", "--sampling-concurrencies"])
     assert args.budgets == [(30.0, 1.5), (50.0, 2.0)] and not args.vllm
     assert [c.name for c in cases(args)] == ["greedy-c1", "greedy-c4", "greedy-c16", "greedy-c64"]
     quick = parse_args(["--quick"])
@@ -48,7 +48,7 @@ def test_budget_flags() -> None:
 
 
 def test_the_variants_are_the_caps_the_budgets_and_vllm() -> None:
-    args = parse_args(["--budgets", "40", "60:2"])
+    args = parse_args(["--budgets", "40:1.5", "60"])
     registry = {"pagedserve": FakeServer("ours"), VLLM: FakeServer("vllm")}
     got = variants(args, registry)
     assert [v.name for v in got] == [CAPS, "pagedserve-itl-40-s1.5", "pagedserve-itl-60-s2", VLLM]
