@@ -65,7 +65,9 @@ class SimReplica:
         if batch.is_empty:
             return None
         self.batch = batch
-        dt = self.cost.step_time(shape_of(batch))
+        shape = shape_of(batch)
+        dt = self.cost.step_time(shape)
+        self.scheduler.observe_step(shape, dt)  # a preset's step-time budget fits the model
         self.busy_s += dt
         self.num_steps += 1
         return dt

@@ -262,7 +262,8 @@ class LLMEngine:
             logger.info("step-time budget: cost model fitted (%.1f ms a step, %.2f ms a decode "
                         "row, %.3f ms a prompt token, %.2f ms a prompt chunk); steps that "
                         "carry decodes now take the prompt work that fits %.0f ms or %.1fx "
-                        "their decodes", 1e3 * m.fixed, 1e3 * m.per_decode,
+                        "the decode step of the batch being formed", 1e3 * m.fixed,
+                        1e3 * m.per_decode,
                         1e3 * m.per_prefill, 1e3 * m.per_prefill_seq, 1e3 * budget.target_s,
                         budget.stretch)
 
