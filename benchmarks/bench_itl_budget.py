@@ -26,8 +26,6 @@ results/<date>-<machine>-itl-budget.json and .png.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import signal
 import sys
@@ -39,9 +37,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: benchmarks/ is not an installed package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, ServerProcess, machine_info, machine_slug
+from benchmarks.common import RESULTS_DIR, machine_info, machine_slug
 from benchmarks.compare import WARMUP, Comparison, Plan
-from benchmarks.interleave import ERRORS, fail, finish, settle, start, turn_order
+from benchmarks.interleave import Turn, bench_interleaved
 from benchmarks.loadgen import Load, Tokenizer, random_dataset
 from benchmarks.serving_load import RequestSpec
 
@@ -114,32 +112,11 @@ def specs_for(plan: Plan, tok: Tokenizer, todo: list[Case], seed: int) -> dict[s
             for i, (name, n) in enumerate(sizes.items())}
 
 
-def drive(comp: Comparison, names: list[str], todo: list[Case],
-          specs: dict[str, list[RequestSpec]], save: Any) -> dict[str, dict[str, Any]]:
-    """Start every server, then each load on every live server in turn (interleave's rules:
-    the machine settles before each run; a failed server is stopped and left out)."""
-    records: dict[str, dict[str, Any]] = {}
-    live: dict[str, ServerProcess] = {}
-    with contextlib.ExitStack() as stack:
-        for name in names:
-            records[name], proc = start(comp, stack, name, comp.args.dtype, specs)
-            if proc is not None:
-                live[name] = proc
-            save(records)
-        for i, case in enumerate(todo):
-            load = Load(case.name, max_concurrency=case.concurrency)
-            for name in turn_order([n for n in names if n in live], i):
-                body = comp.servers[name].extra_body(True) | SAMPLING[case.kind]
-                calm, began = settle(), time.time()
-                try:
-                    m = asyncio.run(comp.run_load(name, live[name], specs[case.name], load, body))
-                    records[name]["runs"][case.name] = m | {"started_at": began, "settle": calm}
-                except ERRORS as e:
-                    fail(name, records[name], live.pop(name), e)
-            save(records)
-        for name, proc in live.items():
-            finish(records[name], proc)
-    return records
+def turns(todo: list[Case]) -> list[Turn]:
+    """Each load on every server in turn (benchmarks/interleave.py: the machine settles before
+    each run; a failed server is stopped and left out), with its sampling fields."""
+    return [Turn(c.name, Load(c.name, max_concurrency=c.concurrency), SAMPLING[c.kind])
+            for c in todo]
 
 
 # --- the report ---
@@ -253,8 +230,9 @@ def run(args: argparse.Namespace, registry: dict[str, Any], tok: Tokenizer, fold
     path = args.out / f"{stamp}-{machine_slug(machine)}-itl-budget.json"
     partial = path.with_suffix(".partial.json")
     comp = Comparison(args, plan, {v.name: v for v in chosen}, tok, folder)
-    servers = drive(comp, [v.name for v in chosen], todo, specs,
-                    lambda r: partial.write_text(json.dumps(r, default=str)))
+    servers = bench_interleaved(comp, [v.name for v in chosen], args.dtype, specs,
+                                lambda r: partial.write_text(json.dumps(r, default=str)),
+                                turns=turns(todo))
     tab = table(servers, todo)
     budget_names = [v.name for v in chosen if v.target_itl_ms]
     checks = targets(tab, budget_names)

@@ -24,12 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.common import ServerProcess, wait_for_idle
 from benchmarks.compare import WARMUP, Comparison, concurrency_loads
-from benchmarks.loadgen import get_models, warm_up
+from benchmarks.loadgen import Load, get_models, warm_up
 from benchmarks.serving_load import RequestSpec
 
 ERRORS = (RuntimeError, TimeoutError, OSError)
@@ -86,15 +87,28 @@ def finish(rec: dict[str, Any], proc: ServerProcess) -> None:
     rec["wall_s"] = time.perf_counter() - rec.pop("_t0")
 
 
+@dataclass(frozen=True)
+class Turn:
+    """One load every live server runs in its turn: its prompts (a key of the specs), how they
+    arrive, and request fields on top of each server's own (e.g. temperature and top_p)."""
+
+    specs: str
+    load: Load
+    body: Mapping[str, Any] = field(default_factory=dict)
+
+
 def bench_interleaved(comp: Comparison, names: list[str], dtype: str,
                       specs: dict[str, list[RequestSpec]],
                       on_progress: Callable[[dict[str, dict[str, Any]]], None] = lambda r: None,
                       before_start: Callable[[str], None] = lambda n: None,
-                      ) -> dict[str, dict[str, Any]]:
+                      turns: Sequence[Turn] | None = None) -> dict[str, dict[str, Any]]:
     """Start every server in `names` (in order; `before_start(name)` runs first, e.g. a cold
-    start of its own), then each concurrency load on every live server in turn_order.
-    A server that fails to start, or fails a load, is stopped and left out of later loads.
-    `on_progress(records)` after every start and every load (a killed run keeps its numbers)."""
+    start of its own), then each turn (default: the plan's concurrency loads) on every live
+    server in turn_order. A server that fails to start, or fails a load, is stopped and left
+    out of later loads. `on_progress(records)` after every start and every load (a killed run
+    keeps its numbers). A run is recorded under its load's name."""
+    if turns is None:
+        turns = [Turn(load.name, load) for load in concurrency_loads(comp.plan)]
     records: dict[str, dict[str, Any]] = {}
     live: dict[str, ServerProcess] = {}
     with contextlib.ExitStack() as stack:
@@ -104,14 +118,16 @@ def bench_interleaved(comp: Comparison, names: list[str], dtype: str,
             if proc is not None:
                 live[name] = proc
             on_progress(records)
-        for i, load in enumerate(concurrency_loads(comp.plan)):
+        for i, turn in enumerate(turns):
             for name in turn_order([n for n in names if n in live], i):
-                proc, body = live[name], comp.servers[name].extra_body(True)
+                proc = live[name]
+                body = comp.servers[name].extra_body(True) | dict(turn.body)
                 calm = settle()
                 began = time.time()
                 try:
-                    m = asyncio.run(comp.run_load(name, proc, specs[load.name], load, body))
-                    records[name]["runs"][load.name] = m | {"started_at": began, "settle": calm}
+                    m = asyncio.run(comp.run_load(name, proc, specs[turn.specs], turn.load, body))
+                    records[name]["runs"][turn.load.name] = m | {"started_at": began,
+                                                                 "settle": calm}
                 except ERRORS as e:
                     fail(name, records[name], live.pop(name), e)
             on_progress(records)

@@ -20,6 +20,7 @@ from benchmarks.bench_itl_budget import (
     print_report,
     table,
     targets,
+    turns,
     variants,
 )
 
@@ -56,6 +57,10 @@ def test_the_variants_are_the_caps_the_budgets_and_vllm() -> None:
     assert got[2].args == ("--target-itl-ms", "60", "--prefill-stretch", "2")
     assert got[3].target_itl_ms is None and got[3].extra_body(True) == {"ignore_eos": True}
     assert [c.name for c in cases(args)][-2:] == ["penalties-c16", "penalties-c64"]
+    last = turns(cases(args))[-1]
+    assert (last.specs, last.load.name, last.load.max_concurrency) == ("penalties-c64",
+                                                                       "penalties-c64", 64)
+    assert last.body["repetition_penalty"] == 1.1 and turns(cases(args))[0].body == {}
 
 
 def run(tok_s: float, ttft: float, p50: float, p99: float) -> dict[str, Any]:
