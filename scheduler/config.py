@@ -52,9 +52,10 @@ class SchedulerConfig:
         "batch still admits new prompts quickly; 0 = a fixed cap")
     # The step-time budget (scheduler/step_budget.py): while sequences decode, a step takes the
     # prompt tokens that the cost model, fitted to the server's own steps, says fit within
-    # this many milliseconds, or within prefill_stretch times what its decodes alone cost,
-    # whichever is longer; the two token caps above then apply only until the model is
-    # fitted. 0 = off: the token caps alone, as before.
+    # this many milliseconds, or within prefill_stretch times the decode step of the batch it
+    # is forming (running plus waiting sequences), whichever is longer; the first chunk always
+    # gets a KV block's worth. The two token caps above apply only until the model is fitted.
+    # 0 = off: the token caps alone, as before.
     target_itl_ms: float = option(
         0.0, "step-time budget in ms: while sequences decode, a step takes only the prompt "
         "tokens that a cost model fitted to the server's own steps says fit in it, so new "

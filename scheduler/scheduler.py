@@ -10,11 +10,13 @@ What must stay true: waiting sequences hold no blocks; running ones are in admis
 every sequence the scheduler knows is unfinished; a sequence that fits the pool alone always
 runs eventually (the oldest running sequence is never the victim while another exists).
 Admission only spends budget left after every running sequence got its share, and a
-sequence's share never grows, so every running sequence gets at least one token each step.
+sequence's share never grows, so every running decode gets its token each step.
 
-While sequences decode, the prompt tokens of a step (running chunks and admissions alike) are
-bounded by an allowance: a token cap (decode_step_prefill_tokens), or with --target-itl-ms
-the time the step-time budget (scheduler/step_budget.py) leaves beside the decodes.
+While sequences decode, the prompt work of a step (running chunks of more than one token and
+every admission) is bounded by an allowance: a token cap (decode_step_prefill_tokens), or with
+--target-itl-ms the time the step-time budget (scheduler/step_budget.py) leaves beside the
+decodes, of which the first chunk always gets a block's worth. A refused chunk closes the
+allowance, so a later prompt never overtakes an earlier one.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class Scheduler:
         self._order: dict[str, int] = {}  # arrival tie-break
         self._counter = itertools.count()
         self._waiting_tokens = 0
-        self.step_budget = (StepBudget(config.target_itl_ms / 1e3, config.prefill_stretch)
+        self.step_budget = (StepBudget(config.target_itl_ms / 1e3, config.prefill_stretch,
+                                       floor=limits.block_size)
                             if config.target_itl_ms > 0 else None)
         # This step's prompt-work allowance (set by schedule()).
         self._allowance: Allowance = TokenAllowance(0)
@@ -205,7 +208,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or (defensive) no budget left
             n = min(seq.num_uncomputed_tokens, self.config.prefill_chunk_cap, budget)
             assert n > 0, f"running sequence with nothing to compute: {seq!r}"
-            if seq.num_uncomputed_tokens > 1:  # a prefill chunk: within this step's allowance
+            if n > 1:  # a prefill chunk: within this step's allowance
                 n = self._allowance.fit(seq.num_computed_tokens, n)
                 if n == 0:
                     continue  # its next chunk waits for a step with room
@@ -225,7 +228,7 @@ class Scheduler:
         the chunk has its blocks: a chunk that is preempted gives it back (see _preempt)."""
         out.seqs.append(seq)
         out.num_scheduled_tokens.append(n)
-        if seq.num_uncomputed_tokens > 1:
+        if n > 1:
             self._allowance.debit(seq.num_computed_tokens, n)
 
     def _pick_victim(self) -> Sequence:
@@ -238,7 +241,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Recompute preemption; returns the budget seq had taken in this step (if any)."""
-        computed, prefilling = seq.num_computed_tokens, seq.num_uncomputed_tokens > 1
+        computed = seq.num_computed_tokens
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -252,7 +255,7 @@ class Scheduler:
         i = out.seqs.index(seq)
         del out.seqs[i]
         n = out.num_scheduled_tokens.pop(i)
-        if prefilling:  # its prefill chunk no longer counts against this step's allowance
+        if n > 1:  # its prefill chunk no longer counts against this step's allowance
             self._allowance.credit(computed, n)
         return n
 
@@ -278,15 +281,12 @@ class Scheduler:
         bm = self.block_manager
         hits = bm.get_computed_blocks(seq)
         num_cached = len(hits) * bm.block_size
-        n = min(seq.num_tokens - num_cached, self.config.prefill_chunk_cap, budget)
-        prefilling = seq.num_tokens - num_cached > 1
-        if prefilling:
-            n = self._allowance.fit(num_cached, n)
+        n = self._allowance.fit(num_cached, min(seq.num_tokens - num_cached,
+                                                self.config.prefill_chunk_cap, budget))
         if n == 0 or not bm.can_allocate(seq, n, hits):
             return 0
         bm.allocate(seq, n, hits)
-        if prefilling:
-            self._allowance.debit(num_cached, n)
+        self._allowance.debit(num_cached, n)
         seq.num_computed_tokens = num_cached
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()

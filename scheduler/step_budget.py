@@ -16,8 +16,10 @@ batch is the running decodes plus the prompts waiting to join them (see allowanc
 with nothing decoding has no stream to stall and keeps the whole token budget.
 
 The model is refitted every REFIT_EVERY steps over the last WINDOW steps, so it follows the
-server's load, thread count and compile state; until the window holds both decode and
-prefill steps (MIN_POINTS of each) the token caps apply as if the budget were off.
+server's load, thread count and compile state; until the first refit with both decode and
+prefill steps in the window (MIN_POINTS of each, and at least REFIT_EVERY steps) the token
+caps apply as if the budget were off. The first prompt chunk of a step always gets a KV
+block's worth of tokens (see TimeAllowance), so no prompt waits forever.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from scheduler.step_cost import CostModel, NormalEquations, StepShape
 WINDOW = 512  # recent steps the fit sees: ~5-30 s of serving
 REFIT_EVERY = 16  # steps between refits (a 7x7 solve, ~0.1 ms)
 MIN_POINTS = 4  # decode steps and prefill steps the window needs before the fit is trusted
-# A step observed above this multiple of the model's prediction counts as this multiple: a
-# garbage collection, a recompile or a noisy neighbour must not teach the model that every
-# step is slow (it is relative error that the fit minimises, so one 50x outlier would
-# outweigh hundreds of ordinary steps).
+# A step observed beyond this factor of the model's prediction, either way, counts as this
+# factor: a recompile, a pause or a noisy neighbour (slow), or a clock glitch (fast). The fit
+# minimises relative error, so a step timed at 1/50 of its prediction would weigh like
+# thousands of ordinary ones (one at 1/5 halved `fixed` in a test); a slow one weighs little.
 OUTLIER_CLIP = 3.0
 
 
@@ -44,7 +46,8 @@ class TokenAllowance:
     tokens: int
 
     def fit(self, computed: int, n: int) -> int:
-        """The most of n prompt tokens (after `computed` cached ones) that fit."""
+        """The most of n prompt tokens (after `computed` cached ones) that fit (0 once the
+        tokens are spent, so nothing is refused while a later prompt is taken)."""
         return min(n, self.tokens)
 
     def debit(self, computed: int, n: int) -> None:
@@ -56,15 +59,31 @@ class TokenAllowance:
 
 @dataclass(slots=True)
 class TimeAllowance:
-    """The seconds of prompt work a step may still take, priced by the cost model."""
+    """The seconds of prompt work a step may still take, priced by the cost model.
+
+    The first chunk a step takes gets at least `floor` tokens even past the allowance, and
+    once a chunk is refused nothing more fits: the oldest prompt (running ones come first,
+    in admission order) advances every step, and no later one overtakes it. Without that, a
+    long prompt whose next chunk the model prices above every allowance (its attention grows
+    with its context) would wait while new arrivals' cheap first chunks took the room."""
 
     seconds: float
     model: CostModel
+    floor: int = 0
+    taken: bool = False  # some chunk was taken this step
+    closed: bool = False  # some chunk was refused this step
 
     def fit(self, computed: int, n: int) -> int:
-        return min(n, self.model.chunk_tokens(computed, self.seconds))
+        if self.closed:
+            return 0
+        m = min(n, self.model.chunk_tokens(computed, self.seconds))
+        if m == 0 and not self.taken:
+            m = min(n, self.floor)
+        self.closed = m == 0
+        return m
 
     def debit(self, computed: int, n: int) -> None:
+        self.taken = True
         self.seconds -= self.model.chunk_time(computed, n)
 
     def credit(self, computed: int, n: int) -> None:
@@ -77,23 +96,28 @@ Allowance = TokenAllowance | TimeAllowance
 class StepBudget:
     """Observes steps, keeps the fit current, prices a step's prefill allowance."""
 
-    def __init__(self, target_s: float, stretch: float) -> None:
+    def __init__(self, target_s: float, stretch: float, floor: int = 16) -> None:
+        """`floor`: prompt tokens the first chunk of a step may always take (a KV block)."""
         self.target_s = target_s
         self.stretch = stretch
+        self.floor = floor
         self.model: CostModel | None = None  # None until the window can fit one
         self.num_refits = 0
+        self.num_rejected = 0  # refits whose model was not taken
         self._eq = NormalEquations()
         self._window: deque[tuple[tuple[float, ...], float]] = deque()
         self._decode_points = 0
         self._prefill_points = 0
         self._since_refit = 0
+        self._since_resum = 0
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A finished step's shape (before postprocess advanced it) and its wall time."""
         if seconds <= 0 or (shape.decode_tokens == 0 and shape.prefill_tokens == 0):
             return
         if self.model is not None:
-            seconds = min(seconds, OUTLIER_CLIP * self.model.step_time(shape))
+            predicted = self.model.step_time(shape)
+            seconds = min(max(seconds, predicted / OUTLIER_CLIP), OUTLIER_CLIP * predicted)
         row = shape.features()
         self._push(row, seconds, 1)
         self._window.append((row, seconds))
@@ -101,6 +125,9 @@ class StepBudget:
             old, t = self._window.popleft()
             self._push(old, t, -1)
         self._since_refit += 1
+        self._since_resum += 1
+        if self._since_resum >= WINDOW:
+            self._resum()  # the running sums drift as points leave; start them afresh
         if self._since_refit >= REFIT_EVERY and self._enough_points():
             self._refit()
 
@@ -114,15 +141,17 @@ class StepBudget:
 
     def _refit(self) -> None:
         self._since_refit = 0
-        if self.num_refits % (WINDOW // REFIT_EVERY) == 0:
-            self._resum()  # the running sums drift as points leave; start them afresh
         model = self._eq.solve()
-        # A fit that prices prompt tokens at nothing would let any chunk in; keep the last one.
-        if model.per_prefill > 0 and model.fixed > 0:
+        # A fit that prices prompt tokens at nothing (neither per token nor through their
+        # attention) would let any chunk in: keep the last one.
+        if model.fixed > 0 and (model.per_prefill > 0 or model.per_prefill_attn > 0):
             self.model = model
+        else:
+            self.num_rejected += 1
         self.num_refits += 1
 
     def _resum(self) -> None:
+        self._since_resum = 0
         self._eq = NormalEquations()
         for row, t in self._window:
             self._eq.add(row, t)
@@ -141,9 +170,9 @@ class StepBudget:
         if self.model is None:
             return None
         base = self.model.step_time(decode)
-        d = decode.decode_tokens
+        d = max(1, decode.decode_tokens)
         rows = max(forming_rows, d)  # the rows to come priced like the running ones
         forming = StepShape(rows, 0, decode.decode_context * rows // d,
                             sampled_rows=decode.sampled_rows * rows // d)
         cap = max(self.target_s, self.stretch * self.model.step_time(forming))
-        return TimeAllowance(max(0.0, cap - base), self.model)
+        return TimeAllowance(max(0.0, cap - base), self.model, self.floor)

@@ -27,6 +27,7 @@ from typing import Any
 
 from scheduler.output import SchedulerOutput
 
+FREE_TOKENS = 1 << 30  # chunk_tokens' answer when prompt tokens cost nothing
 FEATURES = ("fixed", "per_decode", "per_prefill", "per_decode_ctx", "per_prefill_attn",
             "per_prefill_seq", "per_sampled_row")
 
@@ -55,14 +56,13 @@ def chunk_attention(computed: int, n: int) -> float:
 
 
 def shape_of(batch: SchedulerOutput) -> StepShape:
-    """The shape of a scheduled step (before postprocess advances the computed counts). A
-    row is a prefill chunk when its sequence has more than one token left to compute, as
-    the scheduler counts it against the step's prompt allowance."""
+    """The shape of a scheduled step (before postprocess advances the computed counts): a row
+    of more than one token is a prefill chunk, one of one a decode row."""
     d = p = ctx = s = r = 0
     attn = 0.0
     for seq, n in zip(batch.seqs, batch.num_scheduled_tokens, strict=True):
         c = seq.num_computed_tokens
-        if seq.num_uncomputed_tokens == 1:  # a decode row (or a prompt's very last token)
+        if n == 1:  # a decode row (or a one-token prompt chunk: priced alike)
             d, ctx, r = d + 1, ctx + c + 1, r + (not seq.params.greedy)
         else:
             p, attn, s = p + n, attn + chunk_attention(c, n), s + 1
@@ -93,16 +93,17 @@ class CostModel:
 
     def chunk_tokens(self, computed: int, seconds: float) -> int:
         """The longest chunk after `computed` cached tokens whose chunk_time fits `seconds`
-        (0 if none does); chunk_time is increasing in n, so the positive root of
-        (b/2) n^2 + (a + b (c + 1/2)) n + s = seconds, rounded down, is the answer."""
+        (0 if none does, at most FREE_TOKENS); chunk_time is increasing in n, so the positive
+        root of (b/2) n^2 + (a + b (c + 1/2)) n + s = seconds, rounded down, is the answer."""
         left = seconds - self.per_prefill_seq
         a, b = self.per_prefill, self.per_prefill_attn / 1e6
         lin = a + b * (computed + 0.5)
-        if left <= 0 or lin <= 0:
-            return 0 if left <= 0 else 1 << 30  # free tokens: the token budget bounds them
-        if b == 0:
-            return int(left / lin)
-        return int((-lin + math.sqrt(lin * lin + 2 * b * left)) / b)
+        if left <= 0:
+            return 0
+        if lin <= 0:
+            return FREE_TOKENS  # free tokens: the token budget bounds them
+        # The root in the form that keeps its precision when b is tiny (no -lin + sqrt(...)).
+        return int(min(FREE_TOKENS, 2 * left / (lin + math.sqrt(lin * lin + 2 * b * left))))
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -147,7 +148,8 @@ class NormalEquations:
     def solve(self) -> CostModel:
         """The fit with every coefficient but `fixed` >= 0: a feature whose coefficient comes
         out negative (noise on a term that barely matters) is dropped and the rest refitted,
-        so the model never predicts less time for more work."""
+        so the model never predicts less time for more work (a greedy active set: a dropped
+        feature is not tried again, so this is non-negative, not always the best such fit)."""
         active = list(range(len(FEATURES)))
         while True:
             sol = _solve([[self.a[i][j] for j in active] for i in active],

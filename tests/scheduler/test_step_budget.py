@@ -96,6 +96,10 @@ def test_time_allowance_debits_and_credits_the_chunk_price() -> None:
     assert allowance.fit(30, 10_000) == 0 < allowance.seconds + 1e-12
     allowance.credit(30, n)
     assert allowance.seconds == pytest.approx(0.02)
+    # Once a chunk is refused, a cheaper later one is refused too (no overtaking).
+    closing = TimeAllowance(0.0015, SIM_COST, floor=4, taken=True)
+    assert SIM_COST.chunk_time(0, 1) < 0.0015 < SIM_COST.chunk_time(20_000, 1)
+    assert closing.fit(20_000, 5) == 0 and closing.fit(0, 1) == 0
 
 
 def feed(budget: StepBudget, model: CostModel, shapes: list[StepShape], repeat: int = 1) -> None:
@@ -255,3 +259,50 @@ def test_the_shape_of_a_step() -> None:
     assert shape_of(out) == StepShape(decode_tokens=2, prefill_tokens=20, decode_context=6 + 4,
                                       prefill_attention=20 * 10.5, prefill_seqs=1,
                                       sampled_rows=1)
+
+
+def test_a_prompt_priced_past_every_allowance_still_advances_and_is_not_overtaken() -> None:
+    """A model that prices every chunk above any step (1 s a chunk): the first prompt chunk of
+    a step still gets a block (4 tokens here), and a later arrival waits behind it instead
+    of taking the room (a long prompt's attention could otherwise starve it forever)."""
+    sched = fitted_sched(max_num_batched_tokens=64, target_itl_ms=20.0, prefill_stretch=1.0)
+    budget = sched.step_budget
+    assert budget is not None and budget.floor == 4
+    budget.model = CostModel(fixed=0.01, per_decode=0.001, per_prefill=0.001,
+                             per_prefill_seq=1.0)
+    budget.observe = lambda shape, seconds: None  # type: ignore[method-assign]
+    runner = FakeRunner(sched)
+    sched.add(make_seq("a", list(range(300, 304)), max_tokens=30))
+    step(sched, runner)
+    long = make_seq("long", list(range(100, 110)), max_tokens=2)
+    sched.add(long)
+    out, _ = step(sched, runner)
+    assert out.num_scheduled_tokens == [1, 4]
+    sched.add(make_seq("late", list(range(200, 203)), max_tokens=2))
+    plans = []
+    for _ in range(3):
+        out, _ = step(sched, runner)
+        plans.append(dict(zip([s.seq_id for s in out.seqs], out.num_scheduled_tokens)))
+    # long's last 2 prompt tokens go before late is let in (a refused chunk closes the step).
+    assert plans == [{"a": 1, "long": 4}, {"a": 1, "long": 2}, {"a": 1, "long": 1, "late": 3}]
+    drain(sched, runner)
+    assert long.output_token_ids == expected_output(long.prompt_token_ids, 2)
+
+
+def test_a_fast_outlier_is_clipped_too() -> None:
+    budget = StepBudget(target_s=0.015, stretch=1.5)
+    feed(budget, SIM_COST, grid(), repeat=2)
+    for s in grid()[:REFIT_EVERY]:  # timed at 1/50 of their cost (a clock glitch)
+        budget.observe(s, SIM_COST.step_time(s) / 50)
+    assert budget.model is not None and budget.model.fixed > 0.7 * SIM_COST.fixed
+
+
+def test_rejected_fits_are_counted_and_tiny_attention_terms_keep_their_precision() -> None:
+    budget = StepBudget(target_s=0.015, stretch=1.5)
+    feed(budget, SIM_COST, [StepShape(d, 0, d * (100 + 40 * (d % 4))) for d in range(1, 40)])
+    for k in range(1, 40):
+        budget.observe(StepShape(0, 16 * k, 0, 128.0 * k * k, 1), 0.009 - 1e-5 * k)
+    assert budget.model is None and budget.num_rejected == budget.num_refits > 0
+    tiny = CostModel(fixed=0.01, per_decode=0.001, per_prefill=0.0001, per_prefill_attn=1e-16)
+    assert tiny.chunk_tokens(0, 0.0095) == 95
+    assert CostModel(fixed=0.01, per_decode=0.0, per_prefill=5e-324).chunk_tokens(0, 1.0) > 0
