@@ -78,6 +78,14 @@ ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
                           lambda s: s.prefix_cache_hits),
 }
 
+SPEC_DECODE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "spec_decode_num_drafts": ("Speculative drafts (one sequence's draft tokens in one step).",
+                               lambda s: s.spec_num_drafts),
+    "spec_decode_num_draft_tokens": ("Draft tokens proposed.", lambda s: s.spec_num_draft_tokens),
+    "spec_decode_num_accepted_tokens": ("Draft tokens accepted.",
+                                        lambda s: s.spec_num_accepted_tokens),
+}
+
 
 class EngineCollector(Collector):
     """Engine gauges, counters and the tokens-per-step histogram, read from engine.stats()
@@ -109,10 +117,28 @@ class EngineCollector(Collector):
                 counter.add_metric(labels, value(s))
             yield counter
         yield self._iteration_tokens(rows)
+        if any(s.spec_accepted_per_pos for _, s in rows):
+            yield from self._spec_decode(rows)
         info = self._cache_config(rows[0][1] if rows else EngineStats())
         if info is not None:
             yield info
         yield self._memory(rows)
+
+    def _spec_decode(self, rows: list[tuple[list[str], EngineStats]]) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (only while speculation is on)."""
+        for name, (doc, value) in SPEC_DECODE_COUNTERS.items():
+            counter = CounterMetricFamily(self._p + name, doc, labels=list(self.labels))
+            for labels, s in rows:
+                counter.add_metric(labels, value(s))
+            yield counter
+        per_pos = CounterMetricFamily(
+            self._p + "spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this position was accepted.",
+            labels=[*self.labels, "position"])
+        for labels, s in rows:
+            for pos, count in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric([*labels, str(pos)], count)
+        yield per_pos
 
     def _memory(self, rows: list[tuple[list[str], EngineStats]]) -> Metric:
         """Where the engine's resident memory went once ready (engine/worker/memory.py):

@@ -86,6 +86,10 @@ class EngineConfig:
             raise ValueError("quantization must be auto, none, int8 or int4")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.batch_invariant and self.scheduler.speculative_config:
+            # A verified row is a query of several tokens: its logits come from the prefill
+            # tiles, not the decode groups, so its tokens would depend on how it was drafted.
+            raise ValueError("speculative_config cannot be combined with batch_invariant")
 
 
 def parse_memory(text: str | int) -> int:

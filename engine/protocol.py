@@ -103,6 +103,13 @@ class EngineStats:
     # Where the engine's resident memory goes once ready, (kind, bytes) in the order
     # engine/worker/memory.py logs them (static; /metrics serves it as memory_bytes).
     memory: tuple[tuple[str, int], ...] = ()
+    # Speculative decoding (scheduler/speculative.py; vLLM's spec_decode_* counters): drafts
+    # (one sequence's drafts in one step), draft tokens, kept drafts, and per draft position
+    # how many drafts kept it; () while speculation is off.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:

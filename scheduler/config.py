@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from scheduler.speculative import SpeculativeConfig, parse_speculative_config
+
 
 def option(default: Any, help: str, *, flag: str | None = None, kind: type | None = None,
            choices: tuple[str, ...] | None = None, default_text: str | None = None) -> Any:
@@ -64,6 +66,17 @@ class SchedulerConfig:
         2.0, "with --target-itl-ms, a step may also take prompt tokens up to this many times "
         "the decode step of the batch it is forming (its running and waiting sequences), so "
         "a wide batch keeps admitting prompts")
+    # Speculative decoding without a draft model (scheduler/speculative.py), vLLM's flag and
+    # JSON: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+    # "prompt_lookup_max": 5, "disable_by_batch_size": 8}'. Greedy requests only, for now.
+    speculative_config: str | None = option(
+        None, "speculative decoding as a JSON object, as vLLM's: method ngram (prompt lookup: "
+        "drafts are the tokens that followed the newest n-gram's last occurrence in the "
+        "request's own prompt and output), num_speculative_tokens (4), prompt_lookup_min (2), "
+        "prompt_lookup_max (5), disable_by_batch_size (8: no drafts while more sequences run; "
+        "0 = never); greedy requests only; a request whose drafts do not pay pauses its "
+        "drafting; see docs/speculative.md",
+        kind=str, default_text="off")
     # Bounded waiting queue (0 = unbounded); beyond it add() raises QueueFullError.
     max_num_queued_reqs: int = option(0, "waiting requests before 429, 0 = unbounded")
     max_num_queued_tokens: int = option(0, "waiting prompt tokens before 429, 0 = unbounded")
@@ -85,6 +98,12 @@ class SchedulerConfig:
             raise ValueError("prefill_stretch must be >= 1 and finite")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError("policy must be 'fcfs' or 'priority'")
+        parse_speculative_config(self.speculative_config)  # a ValueError naming the field
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config; None when speculation is off."""
+        return parse_speculative_config(self.speculative_config)
 
     def decode_step_prefill_cap(self, num_decoding: int) -> int:
         """Prompt tokens a step may take while num_decoding sequences decode; 0 = no cap

@@ -17,6 +17,11 @@ every admission) is bounded by an allowance: a token cap (decode_step_prefill_to
 --target-itl-ms the time the step-time budget (scheduler/step_budget.py) leaves beside the
 decodes, of which the first chunk always gets a block's worth. A refused chunk closes the
 allowance, so a later prompt never overtakes an earlier one.
+
+With --speculative-config a decoding sequence may carry drafts (scheduler/speculative.py):
+its row is its pending token plus the drafts, paid from the token budget but not from the
+prompt allowance, and never at the price of a preemption; postprocess() keeps the tokens
+the model verified.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.limits import EngineLimits
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.speculative import NgramProposer, SpecDecodeStats, may_speculate
 from scheduler.step_budget import Allowance, StepBudget, TokenAllowance
 from scheduler.step_cost import StepShape
 
@@ -62,6 +68,9 @@ class Scheduler:
                             if config.target_itl_ms > 0 else None)
         # This step's prompt-work allowance (set by schedule()).
         self._allowance: Allowance = TokenAllowance(0)
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -166,6 +175,8 @@ class Scheduler:
         self.block_manager.free(seq)
         del self._seqs[seq.seq_id]
         del self._order[seq.seq_id]
+        if self.proposer is not None:
+            self.proposer.forget(seq.seq_id)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -203,6 +214,7 @@ class Scheduler:
                               or cfg.max_num_batched_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        speculating = self._speculating()
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or (defensive) no budget left
@@ -212,6 +224,8 @@ class Scheduler:
                 n = self._allowance.fit(seq.num_computed_tokens, n)
                 if n == 0:
                     continue  # its next chunk waits for a step with room
+            elif speculating and seq.num_uncomputed_tokens == 1 and may_speculate(seq):
+                n += self._draft(out, seq, budget - 1)
             while not self.block_manager.can_allocate(seq, n):
                 victim = self._pick_victim()
                 budget += self._preempt(victim, out)
@@ -228,8 +242,35 @@ class Scheduler:
         the chunk has its blocks: a chunk that is preempted gives it back (see _preempt)."""
         out.seqs.append(seq)
         out.num_scheduled_tokens.append(n)
-        if n > 1:
+        if n > 1 and seq.seq_id not in out.draft_token_ids:
             self._allowance.debit(seq.num_computed_tokens, n)
+
+    def _speculating(self) -> bool:
+        """Drafts are proposed this step: speculation is on and the batch is narrow enough."""
+        if self.proposer is None:
+            return False
+        limit = self.proposer.config.disable_by_batch_size
+        return limit == 0 or len(self.running) <= limit
+
+    def _draft(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        """Propose drafts for a decoding seq; returns how many it carries this step (0: none).
+        They are bounded by the step's budget, the output seq may still produce and its
+        context, and dropped if their blocks are not free (a draft never preempts)."""
+        assert self.proposer is not None
+        room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.limits.max_model_len - seq.num_tokens - 1)
+        drafts = self.proposer.propose(seq, room) if room > 0 else []
+        if not drafts:
+            return 0
+        # Blocks for drafts only while every running sequence could still get a block this
+        # step: a decode must never be preempted for another sequence's drafts.
+        bm = self.block_manager
+        extra = bm.num_blocks_needed(seq, 1 + len(drafts)) - bm.num_blocks_needed(seq, 1)
+        if extra and bm.num_free_blocks - bm.num_blocks_needed(seq, 1 + len(drafts)) \
+                < len(self.running):
+            return 0
+        out.draft_token_ids[seq.seq_id] = drafts
+        return len(drafts)
 
     def _pick_victim(self) -> Sequence:
         if self.config.policy == "priority":
@@ -255,7 +296,8 @@ class Scheduler:
         i = out.seqs.index(seq)
         del out.seqs[i]
         n = out.num_scheduled_tokens.pop(i)
-        if n > 1:  # its prefill chunk no longer counts against this step's allowance
+        drafted = out.draft_token_ids.pop(seq.seq_id, None) is not None
+        if n > 1 and not drafted:  # its prefill chunk no longer counts against the allowance
             self._allowance.credit(computed, n)
         return n
 
@@ -310,13 +352,22 @@ class Scheduler:
     # -- after the forward -------------------------------------------------------------------
 
     def postprocess(
-        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int],
+        verified_token_ids: Mapping[str, list[int]] | None = None,
     ) -> list[Sequence]:
-        """Advance the step's sequences; returns those that got a token or finished."""
+        """Advance the step's sequences; returns those that got a token or finished.
+        `verified_token_ids`: for each speculating sequence, the drafts the model kept and
+        its own token after them (engine/worker/model_runner.py)."""
         done: list[Sequence] = []
         for i, seq in enumerate(output.seqs):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted or finished between schedule() and postprocess()
+            drafts = output.draft_token_ids.get(seq.seq_id)
+            if drafts is not None:
+                assert verified_token_ids is not None, "a speculating step without its tokens"
+                self._on_verified(seq, len(drafts), verified_token_ids[seq.seq_id])
+                done.append(seq)
+                continue
             sampled = output.samples(i)  # before advancing: it compares computed with total
             seq.num_computed_tokens += output.num_scheduled_tokens[i]
             self.block_manager.cache_full_blocks(seq)
@@ -326,6 +377,32 @@ class Scheduler:
                 self._on_sample(seq, sampled_token_ids[seq.seq_id])
                 done.append(seq)
         return done
+
+    def _on_verified(self, seq: Sequence, num_drafts: int, tokens: list[int]) -> None:
+        """Append a speculating seq's verified tokens (its kept drafts, then the model's next
+        token) as decoding would have, one at a time, up to a stop. Every appended token but
+        the newest has its K/V in the cache now: the pending token's and the kept drafts'.
+        The rejected drafts' slots hold stale K/V that no query reads: positions past
+        num_computed_tokens are written again before they are attended to."""
+        assert 1 <= len(tokens) <= num_drafts + 1, (tokens, num_drafts)
+        self.spec_stats.observe(num_drafts, len(tokens) - 1)
+        assert self.proposer is not None
+        self.proposer.observe(seq.seq_id, num_drafts, len(tokens) - 1)
+        finish = None
+        appended = 0
+        for token_id in tokens:
+            seq.append_token(token_id)
+            appended += 1
+            finish = stop_policy.after_token(seq, token_id, self.limits.eos_token_ids,
+                                             self.limits.max_model_len)
+            if finish is not None:
+                break
+        seq.num_computed_tokens += appended
+        self.block_manager.cache_full_blocks(seq)
+        if self.limits.sliding_window:
+            self.block_manager.release_out_of_window(seq, self.limits.sliding_window)
+        if finish is not None:
+            self._finish_running(seq, *finish)
 
     def _on_sample(self, seq: Sequence, token_id: int) -> None:
         params = seq.params

@@ -230,7 +230,7 @@ def sum_stats(all_stats: list[EngineStats]) -> EngineStats:
         if f.name == "finish_rate":
             known = [v for v in values if v is not None]
             total[f.name] = sum(known) if known else None
-        elif f.name == "iteration_tokens":
+        elif f.name in ("iteration_tokens", "spec_accepted_per_pos"):  # added bucket by bucket
             rows = [v for v in values if v]
             total[f.name] = tuple(map(sum, zip(*rows, strict=True))) if rows else ()
         elif f.name == "memory":  # (kind, bytes) pairs: added kind by kind

@@ -34,7 +34,7 @@ from engine.core.request_outputs import (
     sampled_logprobs,
     text_ids,
 )
-from engine.core.step_stats import IterationTokens, engine_stats
+from engine.core.step_stats import IterationTokens, SpecDecodeLog, engine_stats
 from engine.outputs import ErrorCode, RequestOutput, TokenLogprobs
 from engine.protocol import EngineLimits, EngineStats, InvalidParamError, check_token_ids
 from engine.snapshot import EngineSnapshot
@@ -71,6 +71,7 @@ class LLMEngine:
         self._memory: tuple[tuple[str, int], ...] = ()
         self._limits: EngineLimits | None = None
         self._iterations = IterationTokens()
+        self._spec_log = SpecDecodeLog()
         self.step_log = StepLog()  # the live view's timeline
         self._structured: StructuredOutputs | None = None
         self._structured_error = "not loaded"  # why _structured is None
@@ -234,9 +235,12 @@ class LLMEngine:
         later one raises, the requests already ended keep their final delta."""
         result = self.runner.execute(batch, self.grammars.masks(batch))
         collect_prompt_logprobs(self.requests, batch, result)
-        updated = self.scheduler.postprocess(batch, result.sampled_token_ids)
+        updated = self.scheduler.postprocess(batch, result.sampled_token_ids,
+                                             result.verified_token_ids)
         self.num_steps += 1
         self._iterations.count(batch.total_num_scheduled_tokens)
+        if batch.draft_token_ids:
+            self._spec_log.maybe_log(self.scheduler.spec_stats)
         ended, rejected = self.grammars.advance(updated)
         for seq in ended:  # its grammar has ended: nothing more may follow
             self.scheduler.finish(seq.seq_id, stop_policy.GRAMMAR_END, seq.last_token_id)

@@ -55,6 +55,16 @@ class PromptRows:
     top_n: int
 
 
+@dataclass(frozen=True, slots=True)
+class DraftRows:
+    """A speculating sequence's logits rows [row, row + len(drafts) + 1): its pending token's
+    and each draft's (scheduler/speculative.py)."""
+
+    seq_id: str
+    row: int
+    drafts: list[int]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class StepInputs:
     input_ids: torch.Tensor  # [1, T] (padded to a bucket when compiled)
@@ -67,6 +77,7 @@ class StepInputs:
     sampling: SamplingBatch | None  # their sampling inputs
     prompt_rows: list[PromptRows]
     prompt_targets: torch.Tensor | None  # [P] the prompt token each prompt row predicts
+    draft_rows: list[DraftRows]
 
 
 @dataclass(slots=True)
@@ -82,6 +93,7 @@ class _Flat:
     sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (batch index, row)
     prompt_rows: list[PromptRows] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
+    draft_rows: list[DraftRows] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -288,6 +300,7 @@ class ModelRunner:
         step = self._prepare(batch, masks)
         logits = self._forward(step.input_ids, step.position_ids, step.metadata, step.keep)
         self._sample(step, logits, output, batch, masks)
+        self._verify(step, logits, output)
         self._prompt_logprobs(step, logits, output)
         return output
 
@@ -314,25 +327,31 @@ class ModelRunner:
             prompt_rows=flat.prompt_rows,
             prompt_targets=(to_device(flat.prompt_targets, long, dev) if flat.prompt_targets
                             else None),
+            draft_rows=flat.draft_rows,
         )
 
     def _flatten(self, batch: SchedulerOutput) -> _Flat:
-        """The batch as lists: decode tokens (n == 1) first, then prefill chunks. In
-        batch-invariant mode decodes go by context length, so equal widths form one group."""
+        """The batch as lists: decode tokens (n == 1, and speculating rows) first, then prefill
+        chunks. In batch-invariant mode decodes go by context length, so equal widths form
+        one group. A speculating row's 1 + k tokens attend as 1 + k decode queries over the
+        same block table, query j seeing the context up to its own position: the decode path
+        (our C++ kernel) computes each exactly as decoding that token would, where a prefill
+        chunk's path costs a step ~5 ms more on the CPU."""
         invariant = self.config.batch_invariant
+        drafting = batch.draft_token_ids
         order = sorted(range(len(batch.seqs)), key=lambda i: (
-            batch.num_scheduled_tokens[i] != 1,
+            batch.num_scheduled_tokens[i] != 1 and batch.seqs[i].seq_id not in drafting,
             batch.seqs[i].num_computed_tokens // self.block_size if invariant else 0))
         flat = _Flat()
         for i in order:
             seq, n = batch.seqs[i], batch.num_scheduled_tokens[i]
             c, start = seq.num_computed_tokens, len(flat.ids)
-            flat.ids += seq.token_ids[c:c + n]
+            flat.ids += batch.input_token_ids(i)
             flat.positions += range(c, c + n)
             flat.slots += (self._slot(seq.block_table, p) for p in range(c, c + n))
             table, shift = self._held_blocks(seq.block_table)
-            if n == 1:
-                flat.decodes.append((table, c + 1 - shift))
+            if n == 1 or seq.seq_id in drafting:
+                flat.decodes += ((table, c + 1 + j - shift) for j in range(n))
             else:
                 flat.prefills.append((start, n, c - shift, table))
             first, targets = self._prompt_positions(seq, c, n)
@@ -342,7 +361,11 @@ class ModelRunner:
                                                    seq.params.prompt_logprobs or 0))
                 flat.prompt_targets += targets
                 flat.keep += range(start + first - c, start + first - c + len(targets))
-            if batch.samples(i):
+            drafts = batch.draft_token_ids.get(seq.seq_id)
+            if drafts is not None:  # every position is scored: the pending token's and each draft's
+                flat.draft_rows.append(DraftRows(seq.seq_id, len(flat.keep), drafts))
+                flat.keep += range(start, start + n)
+            elif batch.samples(i):
                 flat.sample_rows.append((i, len(flat.keep)))
                 flat.keep.append(start + n - 1)
         return flat
@@ -402,6 +425,19 @@ class ModelRunner:
                 output.logprobs[seq_id] = lp
         if bad:  # the step's output is dropped with it: nothing was advanced yet
             raise RequestFault(bad, "sampled a token id outside the vocabulary")
+
+    def _verify(self, step: StepInputs, logits: torch.Tensor, output: RunnerOutput) -> None:
+        """Each speculating sequence's greedy token at every scored position, kept while it
+        equals the draft there: the kept drafts, then the model's token after them. Only
+        plain greedy requests speculate (scheduler/speculative.py), so a token is the argmax
+        of the raw logits, as the sampler's greedy rows (the first index of the max)."""
+        for d in step.draft_rows:
+            n = len(d.drafts) + 1
+            greedy = logits[d.row:d.row + n, :self.vocab_size].max(dim=-1).indices.tolist()
+            kept = 0
+            while kept < len(d.drafts) and greedy[kept] == d.drafts[kept]:
+                kept += 1
+            output.verified_token_ids[d.seq_id] = greedy[:kept + 1]
 
     def _blame(self, rows: torch.Tensor, seq_ids: list[str], batch: SchedulerOutput,
                masks: GrammarMasks | None, error: Exception) -> Exception:

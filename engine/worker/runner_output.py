@@ -31,6 +31,9 @@ class RunnerOutput:
     # position p (< num_prompt_tokens - 1) yields the logprob of prompt token p + 1
     # (only when params.prompt_logprobs is not None)
     prompt_logprobs: dict[str, list[TokenLogprobIds]] = field(default_factory=dict)
+    # seq_id -> a speculating sequence's drafts the model kept, then its own next token
+    # (scheduler/speculative.py); such a sequence is not in sampled_token_ids
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class RequestFault(Exception):

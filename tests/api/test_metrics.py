@@ -3,6 +3,8 @@ series vLLM dashboards read, the default process and GC collectors."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -117,3 +119,37 @@ def test_the_engines_memory_account_is_served_by_kind() -> None:
     got = {s.labels["kind"]: s.value for s in families["vllm:memory_bytes"].samples}
     assert got == {"dense_weights": 1024, "kv_pool": 4096, "resident": 9000}
     assert all(s.labels["model_name"] == "m" for s in families["vllm:memory_bytes"].samples)
+
+
+def test_speculative_decoding_counters_under_vllms_names() -> None:
+    """vllm:spec_decode_* (issue 35), only while speculation is on, per position too."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from api.metrics import EngineCollector
+    from engine.protocol import EngineStats
+
+    def families(stats: EngineStats) -> dict[str, Any]:
+        class Engine(FakeEngine):
+            def stats(self) -> EngineStats:
+                return stats
+
+        registry = CollectorRegistry()
+        registry.register(EngineCollector(Engine(), "vllm", "m"))  # type: ignore[arg-type]
+        return {f.name: f for f in text_string_to_metric_families(
+            generate_latest(registry).decode())}
+
+    assert not [name for name in families(EngineStats()) if "spec_decode" in name]
+    got = families(EngineStats(spec_num_drafts=5, spec_num_draft_tokens=18,
+                               spec_num_accepted_tokens=9, spec_accepted_per_pos=(5, 3, 1, 0)))
+    values = {name: [(s.name, s.labels.get("position"), s.value) for s in f.samples]
+              for name, f in got.items() if "spec_decode" in name}
+    assert values == {
+        "vllm:spec_decode_num_drafts": [("vllm:spec_decode_num_drafts_total", None, 5.0)],
+        "vllm:spec_decode_num_draft_tokens": [
+            ("vllm:spec_decode_num_draft_tokens_total", None, 18.0)],
+        "vllm:spec_decode_num_accepted_tokens": [
+            ("vllm:spec_decode_num_accepted_tokens_total", None, 9.0)],
+        "vllm:spec_decode_num_accepted_tokens_per_pos": [
+            ("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i), float(v))
+            for i, v in enumerate((5, 3, 1, 0))],
+    }

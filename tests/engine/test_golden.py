@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -193,6 +194,58 @@ def test_prefix_cache_hits(smollm2_runner, smol_reference) -> None:
     assert engine.stats().prefix_cache_hits - hits_before >= len(second) * prefix_blocks * 16 - 16
 
 
+# Speculative decoding (n-gram prompt lookup): the drafts the model keeps, then its own token,
+# give HF's greedy tokens token for token, in a full batch, after preemption (a draft's
+# blocks are freed with its sequence), with prompts chunked around drafting rows.
+SPECULATIVE = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+               '"disable_by_batch_size": 0}')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["all_at_once", "preemption", "chunked_arrivals"])
+def test_speculative_decoding_matches_hf(case: str, smollm2_runner, smol_prompts,
+                                         smol_reference) -> None:
+    sched: dict[str, object] = {"max_num_seqs": 16, "max_num_batched_tokens": 1024,
+                                "speculative_config": SPECULATIVE}
+    arrivals = None
+    if case == "preemption":
+        sched |= {"num_kv_blocks": 10, "max_num_batched_tokens": 512}
+    elif case == "chunked_arrivals":
+        sched |= {"max_num_batched_tokens": 64, "long_prefill_token_threshold": 7,
+                  "decode_step_prefill_tokens": 8}
+        ids = list(smol_prompts)
+        arrivals = {0: ids[:3], 3: ids[3:6], 7: ids[6:9], 12: ids[9:]}
+    engine = make_engine(smollm2_runner, **sched)  # type: ignore[arg-type]
+    assert run(engine, smol_prompts, arrivals=arrivals) == smol_reference(smol_prompts)
+    stats = engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # kept and rejected
+    assert case != "preemption" or stats.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_speculating_rows_share_steps_with_rows_that_cannot(smollm2_runner, smol_prompts,
+                                                            smol_reference) -> None:
+    """Requests that report logprobs or wait out min_tokens decode one token a step beside
+    speculating ones; every request gets HF's tokens, and the logprobs come per token."""
+    engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024,
+                         speculative_config=SPECULATIVE)
+    kinds = [GREEDY, replace(GREEDY, logprobs=2), replace(GREEDY, min_tokens=3)]
+    params = {rid: kinds[i % 3] for i, rid in enumerate(smol_prompts)}
+    for rid, ids in smol_prompts.items():
+        engine.add_request(rid, ids, params[rid])
+    tokens: dict[str, list[int]] = {rid: [] for rid in smol_prompts}
+    logprobs: dict[str, int] = dict.fromkeys(smol_prompts, 0)
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+            logprobs[o.request_id] += len(o.logprobs or ())
+    assert_all_free(engine)
+    assert tokens == smol_reference(smol_prompts)
+    for rid, p in params.items():
+        assert logprobs[rid] == (MAX_NEW if p.logprobs is not None else 0), rid
+    assert engine.stats().spec_num_accepted_tokens > 0
+
+
 # ----------------------------------------------------------------------------- tiny random models
 
 
@@ -226,3 +279,12 @@ def test_tiny_models_match_hf(arch: str, request: pytest.FixtureRequest) -> None
             within_top2(hf, ids, ours[rid])
         if "num_kv_blocks" in sched:
             assert engine.stats().num_preemptions > 0
+
+
+def test_speculation_and_the_batch_invariant_mode_are_refused_together() -> None:
+    """A verified row's queries run in a step whose rows the drafts decide: batch-invariant
+    tokens could not be promised, so the pairing is refused by name."""
+    with pytest.raises(ValueError, match="speculative_config cannot be combined with "
+                                         "batch_invariant"):
+        EngineConfig(batch_invariant=True, scheduler=SchedulerConfig(
+            speculative_config=SPECULATIVE))

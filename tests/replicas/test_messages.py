@@ -46,16 +46,19 @@ def test_stats_add_up_across_replicas() -> None:
     a = EngineStats(num_running=2, num_waiting=1, num_kv_blocks=10, num_free_kv_blocks=4,
                     finish_rate=1.5, iteration_tokens=(1, 2), iteration_tokens_sum=7,
                     cache_dtype="float32", enable_prefix_caching=True,
-                    memory=(("kv_pool", 100), ("resident", 1000)))
+                    memory=(("kv_pool", 100), ("resident", 1000)), spec_num_drafts=3,
+                    spec_accepted_per_pos=(3, 1))
     b = EngineStats(num_running=1, num_kv_blocks=10, num_free_kv_blocks=10,
                     iteration_tokens=(3, 4), cache_dtype="float32", enable_prefix_caching=True,
-                    memory=(("kv_pool", 100), ("resident", 900)))
+                    memory=(("kv_pool", 100), ("resident", 900)), spec_num_drafts=2,
+                    spec_accepted_per_pos=(2, 2))
     total = sum_stats([a, b])
     assert (total.num_running, total.num_waiting, total.num_kv_blocks,
             total.num_free_kv_blocks) == (3, 1, 20, 14)
     assert total.finish_rate == 1.5 and total.iteration_tokens == (4, 6)
     assert total.cache_dtype == "float32" and total.enable_prefix_caching
     assert total.memory == (("kv_pool", 200), ("resident", 1900))  # bytes add up by kind
+    assert total.spec_num_drafts == 5 and total.spec_accepted_per_pos == (5, 3)
     assert sum_stats([]) == EngineStats()
 
 

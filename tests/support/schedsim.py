@@ -10,7 +10,7 @@ caught), writes the new slots, and samples a token that is a pure function of th
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from scheduler.config import SchedulerConfig
 from scheduler.limits import EngineLimits
@@ -56,8 +56,15 @@ def make_scheduler(config: SchedulerConfig, num_blocks: int,
 
 
 class FakeRunner:
-    def __init__(self, sched: Scheduler) -> None:
+    """Checks every K/V read (each slot remembers the tokens it was computed from) and
+    "samples" `model(tokens so far)`; a speculating sequence gets its verified tokens in
+    `verified` (kept drafts, then the model's token), as ModelRunner returns them."""
+
+    def __init__(self, sched: Scheduler,
+                 model: Callable[[list[int]], int] | None = None) -> None:
         self.sched = sched
+        self.model = model or next_token
+        self.verified: dict[str, list[int]] = {}
         self.block_size = sched.block_manager.block_size
         self.slots: list[tuple[int, ...] | None] = [None] * (
             sched.block_manager.num_blocks * self.block_size)
@@ -71,6 +78,7 @@ class FakeRunner:
     def run(self, out: SchedulerOutput) -> dict[str, int]:
         self.steps += 1
         sampled: dict[str, int] = {}
+        self.verified = {}
         for i, seq in enumerate(out.seqs):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted after schedule(): the real runner would still compute it
@@ -80,10 +88,18 @@ class FakeRunner:
             for p in range(max(0, c - self.window + 1) if self.window else 0, c):
                 got = self.slots[self.slot(seq, p)]
                 assert got == tuple(seq.token_ids[: p + 1]), f"{seq!r}: bad KV at {p}: {got}"
+            drafts = out.draft_token_ids.get(seq.seq_id, [])
+            tokens = seq.token_ids[:c] + out.input_token_ids(i)
             for p in range(c, c + n):
-                self.slots[self.slot(seq, p)] = tuple(seq.token_ids[: p + 1])
-            if out.samples(i):
-                sampled[seq.seq_id] = next_token(seq.token_ids)
+                self.slots[self.slot(seq, p)] = tuple(tokens[: p + 1])
+            if seq.seq_id in out.draft_token_ids:
+                chosen = [self.model(tokens[:c + 1 + j]) for j in range(n)]
+                kept = 0
+                while kept < len(drafts) and chosen[kept] == drafts[kept]:
+                    kept += 1
+                self.verified[seq.seq_id] = chosen[:kept + 1]
+            elif out.samples(i):
+                sampled[seq.seq_id] = self.model(seq.token_ids)
         return sampled
 
 
@@ -111,16 +127,20 @@ def check_output(sched: Scheduler, out: SchedulerOutput, was_decoding: int = 0,
     for seq, n in zip(out.seqs, out.num_scheduled_tokens):
         assert 1 <= n <= cfg.prefill_chunk_cap, (seq, n)
         assert seq.status == SequenceStatus.RUNNING and seq.seq_id not in out.preempted_ids
-        assert seq.num_computed_tokens + n <= seq.num_tokens
+        drafts = out.draft_token_ids.get(seq.seq_id, [])
+        assert not drafts or seq.num_uncomputed_tokens == 1, ("drafts on a prompt chunk", seq)
+        assert seq.num_computed_tokens + n <= seq.num_tokens + len(drafts)
     # While something decodes, prompt tokens (chunks of more than one) stay within the cap;
     # or, with the step-time budget fitted, the step's predicted time within its cap.
     cap = cfg.decode_step_prefill_cap(was_decoding)
     model = sched.step_budget.model if sched.step_budget is not None else None
+    prompt = [n for s, n in zip(out.seqs, out.num_scheduled_tokens, strict=True)
+              if n > 1 and s.seq_id not in out.draft_token_ids]
     if cap and model is None:
-        assert sum(n for n in out.num_scheduled_tokens if n > 1) <= cap, out
+        assert sum(prompt) <= cap, out
     if allowed is not None and model is not None and sched.step_budget is not None:
         # ... but for the first chunk's floor of a block, which a step may always take
-        floor_only = sum(n for n in out.num_scheduled_tokens if n > 1) <= sched.step_budget.floor
+        floor_only = sum(prompt) <= sched.step_budget.floor
         assert model.step_time(shape_of(out)) <= allowed * (1 + 1e-9) or floor_only, out
     # Admission only uses budget the running sequences left over: none of them is skipped,
     # except a prefill that must wait for room under that cap or budget.
@@ -150,7 +170,7 @@ def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Se
     sched.check_invariants()
     if out.seqs:
         sched.observe_step(shape_of(out), SIM_COST.step_time(shape_of(out)))
-    done = sched.postprocess(out, runner.run(out))
+    done = sched.postprocess(out, runner.run(out), runner.verified)
     sched.check_invariants()
     return out, done
 
