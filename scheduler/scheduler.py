@@ -159,9 +159,13 @@ class Scheduler:
             raise SchedulerError(f"grammar_ready() for unknown request {seq_id!r}")
         seq.waiting_for_grammar = False
 
-    def stop_on_string(self, seq: Sequence, stop: str) -> None:
+    def stop_on_string(self, seq: Sequence, stop: str, num_output_tokens: int | None = None) -> None:
         """A stop string matched in seq's newest text. It also wins over a length or EOS finish
-        the same step gave seq (its text ends at the stop string either way)."""
+        the same step gave seq (its text ends at the stop string either way).
+        `num_output_tokens`: the output up to the token that completed the stop string, when
+        a step appended tokens after it (a verified run of drafts): those are dropped."""
+        if num_output_tokens is not None and num_output_tokens < seq.num_output_tokens:
+            del seq.token_ids[seq.num_prompt_tokens + num_output_tokens:]
         if self._seqs.get(seq.seq_id) is seq:
             self.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED, stop)
         elif seq.is_finished:  # by postprocess() in this step: freed already, only relabelled

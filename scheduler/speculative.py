@@ -10,8 +10,8 @@ and keeps the drafts that equal the model's own greedy choice, plus the model's 
 the last one kept: the output is token for token what decoding one token a step gives.
 
 Only plain greedy requests speculate (temperature 0, nothing that edits the logits or reports
-on them: no penalties, logit_bias, logprobs, grammar, stop strings, and past min_tokens): for
-them the model's choice is the argmax of the raw logits, so verification needs no sampler.
+on them: no penalties, logit_bias, logprobs, grammar, and past min_tokens): for them the
+model's choice is the argmax of the raw logits, so verification needs no sampler.
 The others decode one token a step in the same batch. Rejection sampling for temperature > 0
 is not built yet.
 """
@@ -89,10 +89,8 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
 def may_speculate(seq: Sequence) -> bool:
     """Whether seq's next token is the argmax of the raw logits (see the module's docstring)."""
     p = seq.params
-    # Stop strings too: the detokenizer finds one in a step's text, and a verified run of
-    # tokens would carry the tokens after it (cutting the run there is not built yet).
     return (p.greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None
-            and p.structured_outputs is None and not p.stop and stop_policy.may_stop(seq))
+            and p.structured_outputs is None and stop_policy.may_stop(seq))
 
 
 class NgramIndex:

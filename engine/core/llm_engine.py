@@ -328,9 +328,13 @@ class LLMEngine:
             return None
         new_ids = seq.token_ids[seq.num_prompt_tokens + req.num_sent_tokens:]
         check_stops = stop_policy.may_stop(seq)  # stop strings too wait for min_tokens
-        text, stop_str = req.detok.step(text_ids(seq, new_ids), check_stops)
+        text, stop_str, kept = self._detokenize(req, new_ids, check_stops)
         if stop_str is not None:
-            self.scheduler.stop_on_string(seq, stop_str)
+            if kept < len(new_ids):  # a verified run went past the stop string: cut it there
+                new_ids = new_ids[:kept]
+                self.scheduler.stop_on_string(seq, stop_str, req.num_sent_tokens + kept)
+            else:
+                self.scheduler.stop_on_string(seq, stop_str)
         token_text = self.tokenizer.token_text
         logprobs = sampled_logprobs(seq, result, len(new_ids), token_text)
         req.num_sent_tokens += len(new_ids)
@@ -341,6 +345,23 @@ class LLMEngine:
             tail = "" if stop_str is not None else req.detok.flush()
             return self._end(req, text + tail, logprobs, tuple(new_ids))
         return delta(req, tuple(new_ids), text, logprobs, token_text)
+
+    @staticmethod
+    def _detokenize(req: RequestState, new_ids: list[int],
+                    check_stops: bool) -> tuple[str, str | None, int]:
+        """(text, stop string, how many of new_ids it covers). Several new tokens with stop
+        strings to look for (a speculating step's verified run) go one at a time, so a stop
+        string ends the output at the token that completed it, as decoding would."""
+        ids = text_ids(req.seq, new_ids)
+        if len(ids) < 2 or not (check_stops and req.seq.params.stop):
+            return (*req.detok.step(ids, check_stops), len(new_ids))
+        text = ""
+        for i, token_id in enumerate(ids):
+            piece, stop_str = req.detok.step([token_id], check_stops)
+            text += piece
+            if stop_str is not None:
+                return text, stop_str, i + 1
+        return text, None, len(new_ids)
 
     def _end(self, req: RequestState, text: str = "",
              logprobs: tuple[TokenLogprobs, ...] | None = None, new_ids: tuple[int, ...] = (),

@@ -288,3 +288,53 @@ def test_speculation_and_the_batch_invariant_mode_are_refused_together() -> None
                                          "batch_invariant"):
         EngineConfig(batch_invariant=True, scheduler=SchedulerConfig(
             speculative_config=SPECULATIVE))
+
+
+@pytest.mark.slow
+def test_a_stop_string_cuts_a_verified_run_where_decoding_would_stop(
+        smollm2_runner, smol_prompts) -> None:
+    """A stop string that completes inside a verified run of drafts: the output (text, tokens,
+    usage, stop reason) is the output without speculation, cut at the token that completed
+    it. The stop strings are picked from a first speculative run: the first two tokens of a
+    step that yielded three or more, where the string first occurs in the text."""
+    tok = smollm2_runner.tokenizer
+
+    def outputs(speculative: str | None, params: dict[str, SamplingParams]
+                ) -> dict[str, list[tuple[tuple[int, ...], str, object, object, int]]]:
+        engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024,
+                             speculative_config=speculative)
+        for rid, ids in smol_prompts.items():
+            engine.add_request(rid, ids, params[rid])
+        got: dict[str, list[tuple[tuple[int, ...], str, object, object, int]]] = {
+            rid: [] for rid in smol_prompts}
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[o.request_id].append((o.new_token_ids, o.new_text, o.finish_reason,
+                                          o.stop_reason, o.num_output_tokens))
+        assert_all_free(engine)
+        return got
+
+    runs = outputs(SPECULATIVE, dict.fromkeys(smol_prompts, GREEDY))
+    stops: dict[str, SamplingParams] = {}
+    for rid, deltas in runs.items():
+        ids: list[int] = []
+        text = ""
+        for new_ids, new_text, *_ in deltas:
+            stop = tok.decode(list(new_ids[:2]))
+            full = "".join(d[1] for d in deltas)
+            if len(new_ids) >= 3 and stop.strip() and full.find(stop) == len(text):
+                stops[rid] = replace(GREEDY, stop=(stop,))
+                break
+            ids += new_ids
+            text += new_text
+    assert stops  # at least one run of three tokens or more, cut in its middle
+    params = {rid: stops.get(rid, GREEDY) for rid in smol_prompts}
+
+    def flat(got: dict[str, list[tuple[tuple[int, ...], str, object, object, int]]]
+             ) -> dict[str, tuple[object, ...]]:
+        return {rid: (sum((d[0] for d in ds), ()), "".join(d[1] for d in ds), *ds[-1][2:])
+                for rid, ds in got.items()}
+
+    plain = flat(outputs(None, params))
+    assert all(plain[rid][3] == params[rid].stop[0] for rid in stops)  # each stops on its string
+    assert flat(outputs(SPECULATIVE, params)) == plain

@@ -158,7 +158,7 @@ def test_proposer_pauses_a_sequence_whose_drafts_do_not_pay() -> None:
     ({"temperature": 0.0, "logit_bias": {3: 1.0}}, False),
     ({"temperature": 0.0, "logprobs": 0}, False),
     ({"temperature": 0.0, "min_tokens": 3, "max_tokens": 8}, False),
-    ({"temperature": 0.0, "stop": ("x",)}, False),
+    ({"temperature": 0.0, "stop": ("x",)}, True),
     ({"temperature": 0.0, "stop_token_ids": (3,), "ignore_eos": True}, True),
 ])
 def test_only_plain_greedy_requests_speculate(params: dict[str, object], ok: bool) -> None:
@@ -295,3 +295,17 @@ def test_drafts_under_a_sliding_window_read_only_held_blocks() -> None:
     assert max(held) <= 5 and sched.spec_stats.num_accepted_tokens > 0
     for seq in seqs:
         assert seq.output_token_ids == generate_alone(PROMPT, 60)
+
+
+def test_a_stop_string_inside_a_verified_run_drops_the_tokens_after_it() -> None:
+    sched = make_sched()
+    seq = make_seq("a", PROMPT, max_tokens=30, temperature=0.0)
+    sched.add(seq)
+    runner = FakeRunner(sched, periodic)
+    while not sched.spec_stats.num_accepted_tokens:
+        step(sched, runner)
+    n = seq.num_output_tokens
+    sched.stop_on_string(seq, "stop", n - 2)  # the string ended two tokens before the run did
+    assert seq.num_output_tokens == n - 2 and seq.stop_reason == "stop"
+    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.block_table == []
+    assert_all_free(sched)
