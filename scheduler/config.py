@@ -68,14 +68,14 @@ class SchedulerConfig:
         "a wide batch keeps admitting prompts")
     # Speculative decoding without a draft model (scheduler/speculative.py), vLLM's flag and
     # JSON: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-    # "prompt_lookup_max": 5, "disable_by_batch_size": 8}'. Greedy requests only, for now.
+    # "prompt_lookup_max": 5, "disable_by_batch_size": 8}'.
     speculative_config: str | None = option(
         None, "speculative decoding as a JSON object, as vLLM's: method ngram (prompt lookup: "
         "drafts are the tokens that followed the newest n-gram's last occurrence in the "
         "request's own prompt and output), num_speculative_tokens (4), prompt_lookup_min (2), "
         "prompt_lookup_max (5), disable_by_batch_size (8: no drafts while more sequences run; "
-        "0 = never); greedy requests only; a request whose drafts do not pay pauses its "
-        "drafting; see docs/speculative.md",
+        "0 = never); not for requests with penalties, logprobs or a grammar; a request whose "
+        "drafts do not pay pauses its drafting; see docs/speculative.md",
         kind=str, default_text="off")
     # Bounded waiting queue (0 = unbounded); beyond it add() raises QueueFullError.
     max_num_queued_reqs: int = option(0, "waiting requests before 429, 0 = unbounded")

@@ -5,15 +5,18 @@ A draft model costs a forward; an n-gram proposer costs a dictionary lookup. It 
 the tokens that followed the last occurrence of the sequence's newest n tokens in its own
 prompt and output: for rewriting, summarising or answering over a given text, editing code,
 most output tokens continue some run of the prompt. The engine then scores the sequence's
-pending token and the k drafts in one forward (a k + 1 token query over the paged KV cache)
-and keeps the drafts that equal the model's own greedy choice, plus the model's token after
-the last one kept: the output is token for token what decoding one token a step gives.
+pending token and the k drafts in one forward (a k + 1 token query over the paged KV cache),
+samples every position as decoding would (the same uniform for the same output position),
+and keeps the drafts that equal the token drawn at their position, plus the token drawn
+after the last one kept (engine/worker/model_runner.py `verify`). Greedy or seeded, the
+output is token for token what decoding one token a step gives; unseeded, it follows the
+model's distribution exactly (a draft is kept with probability p(draft), and a rejected
+position draws from the rest: rejection sampling's rule for a deterministic proposer).
 
-Only plain greedy requests speculate (temperature 0, nothing that edits the logits or reports
-on them: no penalties, logit_bias, logprobs, grammar, and past min_tokens): for them the
-model's choice is the argmax of the raw logits, so verification needs no sampler.
-The others decode one token a step in the same batch. Rejection sampling for temperature > 0
-is not built yet.
+Requests whose next distribution depends on more than the logits and the position do not
+speculate: penalties (they would count the drafts), grammars, logprobs (not built for
+several tokens a step), and the steps before min_tokens. They decode one token a step in
+the same batch.
 """
 
 from __future__ import annotations
@@ -87,10 +90,10 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
 
 
 def may_speculate(seq: Sequence) -> bool:
-    """Whether seq's next token is the argmax of the raw logits (see the module's docstring)."""
+    """Whether seq's next tokens may be verified in one step (see the module's docstring)."""
     p = seq.params
-    return (p.greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None
-            and p.structured_outputs is None and stop_policy.may_stop(seq))
+    return (not p.needs_penalties and p.logprobs is None and p.structured_outputs is None
+            and stop_policy.may_stop(seq))
 
 
 class NgramIndex:

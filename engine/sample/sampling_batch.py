@@ -162,21 +162,25 @@ class SamplingBatchBuilder:
         self._penalty_state = PenaltyState(vocab_size)  # penalised requests' token counts
 
     def build(self, seqs: list[Sequence], device: torch.device,
-              masks: GrammarMasks | None = None) -> SamplingBatch:
-        """`masks`: the step's grammar bitmasks, by sequence id (only constrained ones)."""
+              masks: GrammarMasks | None = None,
+              offsets: list[int] | None = None) -> SamplingBatch:
+        """`masks`: the step's grammar bitmasks, by sequence id (only constrained ones).
+        `offsets`: per row, how many tokens past the sequence's output it draws (a drafting
+        sequence is in `seqs` once per position it scores, 0..k); None: all 0."""
         constrained = {} if masks is None else {sid: i for i, sid in enumerate(masks.seq_ids)}
-        plan = self._plan(seqs, constrained)
+        plan = self._plan(seqs, constrained, offsets or [0] * len(seqs))
         batch = self._to_batch(plan, seqs, device)
         if masks is None or not constrained:
             return batch
         return replace(batch, allowed=self._allowed(seqs, constrained, masks, device))
 
-    def _plan(self, seqs: list[Sequence], constrained: Collection[str] = ()) -> _Plan:
+    def _plan(self, seqs: list[Sequence], constrained: Collection[str],
+              offsets: list[int]) -> _Plan:
         plan = _Plan()
-        for row, seq in enumerate(seqs):
+        for row, (seq, offset) in enumerate(zip(seqs, offsets, strict=True)):
             params = seq.params
             if params.temperature >= MIN_TEMPERATURE:
-                self._plan_sampled(plan, row, seq)
+                self._plan_sampled(plan, row, seq, seq.num_output_tokens + offset)
             plan.bias.extend((row, t, b) for t, b in params.logit_bias.items()
                              if t < self.vocab_size)
             # A grammar decides where EOS may go (banning it could leave no token at all);
@@ -189,7 +193,7 @@ class SamplingBatchBuilder:
                 plan.logprobs.add(row, params.logprobs)
         return plan
 
-    def _plan_sampled(self, plan: _Plan, row: int, seq: Sequence) -> None:
+    def _plan_sampled(self, plan: _Plan, row: int, seq: Sequence, position: int) -> None:
         params, pos = seq.params, len(plan.sampled)
         plan.sampled.append(row)
         plan.temperature.append(params.temperature)
@@ -201,7 +205,7 @@ class SamplingBatchBuilder:
             plan.min_p.add(pos, params.min_p)
         seed = params.seed
         plan.uniforms.append(self._rng.random() if seed is None
-                             else seeded_uniform(seed, seq.num_output_tokens))
+                             else seeded_uniform(seed, position))
 
     def _stop_ids(self, seq: Sequence) -> set[int]:
         """Tokens min_tokens forbids (stop_policy.stop_tokens), those in the vocabulary."""

@@ -12,6 +12,7 @@ SchedulerOutput's sequences, so there is nothing to release when a request ends.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -55,29 +56,20 @@ class PromptRows:
     top_n: int
 
 
-@dataclass(frozen=True, slots=True)
-class DraftRows:
-    """A speculating sequence's logits rows [row, row + len(drafts) + 1): its pending token's
-    and each draft's (scheduler/speculative.py)."""
-
-    seq_id: str
-    row: int
-    drafts: list[int]
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class StepInputs:
     input_ids: torch.Tensor  # [1, T] (padded to a bucket when compiled)
     position_ids: torch.Tensor  # [1, T]
     metadata: AttentionMetadata
     keep: torch.Tensor  # [K] packed positions whose logits are computed
-    sample_ids: list[str]  # the sequences that sample, in batch order
+    sample_ids: list[str]  # the sequences that sample, in batch order (a drafting one 1 + k
+    # times in a row: once per position it scores)
     sample_rows: torch.Tensor | None  # [S] their logits rows; None when none samples
     samples_every_row: bool  # sample_rows is 0..K-1: the logits are sampled as they are
     sampling: SamplingBatch | None  # their sampling inputs
     prompt_rows: list[PromptRows]
     prompt_targets: torch.Tensor | None  # [P] the prompt token each prompt row predicts
-    draft_rows: list[DraftRows]
+    drafts: dict[str, list[int]]  # the speculating sequences' drafts (SchedulerOutput's)
 
 
 @dataclass(slots=True)
@@ -93,7 +85,6 @@ class _Flat:
     sample_rows: list[tuple[int, int]] = field(default_factory=list)  # (batch index, row)
     prompt_rows: list[PromptRows] = field(default_factory=list)
     prompt_targets: list[int] = field(default_factory=list)
-    draft_rows: list[DraftRows] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -300,7 +291,6 @@ class ModelRunner:
         step = self._prepare(batch, masks)
         logits = self._forward(step.input_ids, step.position_ids, step.metadata, step.keep)
         self._sample(step, logits, output, batch, masks)
-        self._verify(step, logits, output)
         self._prompt_logprobs(step, logits, output)
         return output
 
@@ -311,6 +301,7 @@ class ModelRunner:
         sample_rows = sorted(flat.sample_rows)  # batch order, as the sampler sees the rows
         sampled = [batch.seqs[i] for i, _ in sample_rows]
         rows = [r for _, r in sample_rows]
+        offsets = _positions(sample_rows) if batch.draft_token_ids else None
         return StepInputs(
             input_ids=self._padded(flat.ids),
             position_ids=self._padded(flat.positions),
@@ -323,11 +314,11 @@ class ModelRunner:
             sample_ids=[seq.seq_id for seq in sampled],
             sample_rows=to_device(rows, long, dev) if sampled else None,
             samples_every_row=rows == list(range(len(flat.keep))),
-            sampling=self.sampling.build(sampled, dev, masks) if sampled else None,
+            sampling=self.sampling.build(sampled, dev, masks, offsets) if sampled else None,
             prompt_rows=flat.prompt_rows,
             prompt_targets=(to_device(flat.prompt_targets, long, dev) if flat.prompt_targets
                             else None),
-            draft_rows=flat.draft_rows,
+            drafts=batch.draft_token_ids,
         )
 
     def _flatten(self, batch: SchedulerOutput) -> _Flat:
@@ -361,9 +352,8 @@ class ModelRunner:
                                                    seq.params.prompt_logprobs or 0))
                 flat.prompt_targets += targets
                 flat.keep += range(start + first - c, start + first - c + len(targets))
-            drafts = batch.draft_token_ids.get(seq.seq_id)
-            if drafts is not None:  # every position is scored: the pending token's and each draft's
-                flat.draft_rows.append(DraftRows(seq.seq_id, len(flat.keep), drafts))
+            if seq.seq_id in drafting:  # every position samples: the pending token's, each draft's
+                flat.sample_rows += ((i, len(flat.keep) + j) for j in range(n))
                 flat.keep += range(start, start + n)
             elif batch.samples(i):
                 flat.sample_rows.append((i, len(flat.keep)))
@@ -417,27 +407,20 @@ class ModelRunner:
         except Exception as e:  # find whose inputs it was, else re-raise
             raise self._blame(rows, step.sample_ids, batch, masks, e) from e
         bad = []
+        chosen: dict[str, list[int]] = {}
         for seq_id, token, lp in zip(step.sample_ids, tokens, logprobs, strict=True):
             if not 0 <= token < self.vocab_size:
                 bad.append(seq_id)
+            if seq_id in step.drafts:
+                chosen.setdefault(seq_id, []).append(token)
+                continue
             output.sampled_token_ids[seq_id] = token
             if lp is not None:
                 output.logprobs[seq_id] = lp
         if bad:  # the step's output is dropped with it: nothing was advanced yet
             raise RequestFault(bad, "sampled a token id outside the vocabulary")
-
-    def _verify(self, step: StepInputs, logits: torch.Tensor, output: RunnerOutput) -> None:
-        """Each speculating sequence's greedy token at every scored position, kept while it
-        equals the draft there: the kept drafts, then the model's token after them. Only
-        plain greedy requests speculate (scheduler/speculative.py), so a token is the argmax
-        of the raw logits, as the sampler's greedy rows (the first index of the max)."""
-        for d in step.draft_rows:
-            n = len(d.drafts) + 1
-            greedy = logits[d.row:d.row + n, :self.vocab_size].max(dim=-1).indices.tolist()
-            kept = 0
-            while kept < len(d.drafts) and greedy[kept] == d.drafts[kept]:
-                kept += 1
-            output.verified_token_ids[d.seq_id] = greedy[:kept + 1]
+        for seq_id, tokens_at in chosen.items():
+            output.verified_token_ids[seq_id] = verify(step.drafts[seq_id], tokens_at)
 
     def _blame(self, rows: torch.Tensor, seq_ids: list[str], batch: SchedulerOutput,
                masks: GrammarMasks | None, error: Exception) -> Exception:
@@ -463,6 +446,31 @@ class ModelRunner:
                 output.prompt_logprobs[p.seq_id] = compute_prompt_logprobs(rows, target, p.top_n)
             except Exception as e:  # one request's rows, one request's failure
                 raise RequestFault([p.seq_id], f"prompt logprobs failed: {e}") from e
+
+
+def _positions(sample_rows: list[tuple[int, int]]) -> list[int]:
+    """Per sampled row, which of its sequence's rows it is: 0 for a sequence's only row, and
+    0..k for a drafting one's, whose row j draws output position num_output_tokens + j."""
+    out: list[int] = []
+    for _, rows in itertools.groupby(sample_rows, key=lambda row: row[0]):
+        out += range(sum(1 for _ in rows))
+    return out
+
+
+def verify(drafts: list[int], chosen: list[int]) -> list[int]:
+    """The drafts kept, then the model's own token after them: `chosen` holds the token the
+    sampler chose at each of the 1 + k positions (drafts[j] in its context from position
+    j + 1 on). A draft is kept while it is the token chosen at its position, so each token
+    kept or emitted is the one decoding would have drawn there: a greedy row's argmax, and a
+    sampled row's draw with that position's uniform (a seeded row's are a pure function of
+    its seed and the position). Draft d is kept with probability p(d), as rejection
+    sampling keeps a deterministic proposer's, and a rejected position's token is drawn
+    from p given it is not d, which is rejection sampling's residual: the output follows the
+    model's distribution exactly."""
+    kept = 0
+    while kept < len(drafts) and chosen[kept] == drafts[kept]:
+        kept += 1
+    return chosen[:kept + 1]
 
 
 def _masks_of(masks: GrammarMasks | None, seq_id: str) -> GrammarMasks | None:

@@ -338,3 +338,41 @@ def test_a_stop_string_cuts_a_verified_run_where_decoding_would_stop(
     plain = flat(outputs(None, params))
     assert all(plain[rid][3] == params[rid].stop[0] for rid in stops)  # each stops on its string
     assert flat(outputs(SPECULATIVE, params)) == plain
+
+
+@pytest.mark.slow
+def test_seeded_sampled_requests_draw_the_same_tokens_with_drafts(smollm2_runner,
+                                                                 smol_prompts) -> None:
+    """A drafted position is sampled with the uniform decoding would use there, and a draft is
+    kept only if it is the token drawn: a seeded request gets the tokens it gets without
+    speculation, whatever its truncation or bias (so, uniforms being independent, an
+    unseeded one follows the same distribution). Up to float rounding: a step of other
+    rows rounds the logits differently, as another batch does, which moves a draw that
+    sits on a boundary of the CDF; of 36 requests x 24 draws here, one such draw differed
+    on the 2-core box. A verifier that kept a draft the draw did not pick would change most
+    of them."""
+    kinds = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_NEW),
+             SamplingParams(temperature=0.5, top_k=20, min_p=0.05, max_tokens=MAX_NEW),
+             SamplingParams(temperature=1.0, logit_bias={13: 2.0}, max_tokens=MAX_NEW)]
+    params = {f"{rid}-s{seed}": replace(kinds[(i + seed) % 3], seed=seed)
+              for i, rid in enumerate(smol_prompts) for seed in range(3)}
+    prompts = {key: smol_prompts[key.split("-")[0]] for key in params}
+
+    def tokens(speculative: str | None) -> tuple[dict[str, list[int]], LLMEngine]:
+        engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024,
+                             speculative_config=speculative)
+        for key, ids in prompts.items():
+            engine.add_request(key, ids, params[key])
+        out: dict[str, list[int]] = {key: [] for key in prompts}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+        assert_all_free(engine)
+        return out, engine
+
+    plain, _ = tokens(None)
+    drafted, engine = tokens(SPECULATIVE)
+    differ = [key for key in plain if drafted[key] != plain[key]]
+    assert len(differ) <= 2, differ
+    stats = engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens

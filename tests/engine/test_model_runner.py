@@ -240,3 +240,27 @@ def hf_greedy(runner: ModelRunner, prompt: list[int], new: int) -> list[int]:
 
 
 _MODEL: dict[str, torch.nn.Module] = {}
+
+
+def test_verify_keeps_drafts_while_they_are_the_tokens_drawn() -> None:
+    from engine.worker.model_runner import _positions, verify
+
+    assert verify([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all kept, then the bonus token
+    assert verify([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the draw at the first miss replaces it
+    assert verify([5], [4, 4]) == [4]
+    # rows of batch entries 0 (alone), 1 (three positions) and 3 (two): their positions
+    assert _positions([(0, 0), (1, 1), (1, 2), (1, 3), (3, 4), (3, 5)]) == [0, 0, 1, 2, 0, 1]
+
+
+def test_a_drafting_rows_seeded_uniforms_are_those_of_its_positions() -> None:
+    import torch
+
+    from engine.sample.sampling_batch import SamplingBatchBuilder, seeded_uniform
+    from scheduler.sampling_params import SamplingParams
+    from scheduler.sequence import Sequence
+
+    seq = Sequence("a", [1, 2, 3], SamplingParams(temperature=1.0, seed=7))
+    seq.append_token(4)  # one output token so far
+    batch = SamplingBatchBuilder(10).build([seq] * 3, torch.device("cpu"), offsets=[0, 1, 2])
+    assert batch.uniforms is not None
+    assert batch.uniforms.tolist() == pytest.approx([seeded_uniform(7, p) for p in (1, 2, 3)])

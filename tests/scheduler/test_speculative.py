@@ -152,16 +152,16 @@ def test_proposer_pauses_a_sequence_whose_drafts_do_not_pay() -> None:
 
 
 @pytest.mark.parametrize(("params", "ok"), [
-    ({"temperature": 0.0}, True), ({"temperature": 0.7}, False),
+    ({"temperature": 0.0}, True), ({"temperature": 0.7, "top_p": 0.9, "seed": 3}, True),
     ({"temperature": 0.0, "presence_penalty": 0.5}, False),
-    ({"temperature": 0.0, "repetition_penalty": 1.1}, False),
-    ({"temperature": 0.0, "logit_bias": {3: 1.0}}, False),
+    ({"temperature": 1.0, "repetition_penalty": 1.1}, False),
+    ({"temperature": 0.0, "logit_bias": {3: 1.0}}, True),
     ({"temperature": 0.0, "logprobs": 0}, False),
     ({"temperature": 0.0, "min_tokens": 3, "max_tokens": 8}, False),
     ({"temperature": 0.0, "stop": ("x",)}, True),
     ({"temperature": 0.0, "stop_token_ids": (3,), "ignore_eos": True}, True),
 ])
-def test_only_plain_greedy_requests_speculate(params: dict[str, object], ok: bool) -> None:
+def test_requests_whose_distribution_depends_on_more_than_the_position_do_not_speculate(params: dict[str, object], ok: bool) -> None:
     seq = Sequence("a", [1, 2, 3], SamplingParams(**params))  # type: ignore[arg-type]
     assert may_speculate(seq) is ok
 
@@ -223,7 +223,7 @@ def test_drafts_stop_at_eos_max_tokens_and_max_model_len() -> None:
     assert long.output_token_ids == generate_alone(PROMPT, 48 - len(PROMPT))
 
 
-def test_no_drafts_above_the_batch_size_limit_nor_for_sampled_requests() -> None:
+def test_no_drafts_above_the_batch_size_limit_nor_for_penalised_requests() -> None:
     sched = make_sched(speculative_config=spec(disable_by_batch_size=2))
     for i in range(3):
         sched.add(make_seq(f"g{i}", PROMPT, max_tokens=30, temperature=0.0))
@@ -235,7 +235,7 @@ def test_no_drafts_above_the_batch_size_limit_nor_for_sampled_requests() -> None
     out, _ = step(sched, runner)
     assert set(out.draft_token_ids) == {"g1", "g2"}
     sched.abort("g1")
-    sched.add(make_seq("t", PROMPT, max_tokens=30, temperature=1.0))
+    sched.add(make_seq("t", PROMPT, max_tokens=30, temperature=1.0, frequency_penalty=0.5))
     for _ in range(4):
         out, _ = step(sched, runner)
         assert "t" not in out.draft_token_ids
