@@ -11,7 +11,9 @@ Workloads, written here from this repository's own files (no hub data):
 - story: free generation, where drafts rarely match and speculation must not hurt.
 
 At c=1 the prompts run one at a time; at c=64 all at once, where `disable_by_batch_size`
-turns drafting off. Each round starts with another variant, so none is always first. Greedy (temperature 0): the only requests that speculate for now.
+turns drafting off. Each round starts with another variant, so none is always first.
+Greedy, and with --sampled also each workload at temperature 0.8, top_p 0.95, seeded (a
+draft is kept when it is the token drawn at its position). Greedy (temperature 0): the only requests that speculate for now.
 
     python -m benchmarks.bench_speculative [--rounds 3] [--c64] [--out benchmarks/results]
 """
@@ -85,10 +87,12 @@ def workloads(n: int) -> dict[str, list[str]]:
     return {"rewrite": rewrite, "passage": passage, "agent": agent, "story": story}
 
 
-def run_once(llm: Any, prompts: list[str], max_tokens: int, concurrency: int) -> dict[str, float]:
+def run_once(llm: Any, prompts: list[str], max_tokens: int, concurrency: int,
+             temperature: float = 0.0) -> dict[str, float]:
     from scheduler.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = (SamplingParams(temperature=0.0, max_tokens=max_tokens) if temperature == 0 else
+              SamplingParams(temperature=temperature, top_p=0.95, seed=0, max_tokens=max_tokens))
     stats = llm.engine.scheduler.spec_stats
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
     tokens = 0
@@ -143,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per workload at c=1")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--c64", action="store_true", help="also run every workload at c=64")
+    ap.add_argument("--sampled", action="store_true",
+                    help="also run every workload at c=1 with temperature 0.8, top_p 0.95")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
 
@@ -150,10 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 
     llms = {name: LLM(speculative_config=spec) if spec else LLM()
             for name, spec in VARIANTS.items()}
-    loads: dict[str, tuple[list[str], int]] = {
-        f"{k}-c1": (v, 1) for k, v in workloads(args.prompts).items()}
+    loads: dict[str, tuple[list[str], int, float]] = {
+        f"{k}-c1": (v, 1, 0.0) for k, v in workloads(args.prompts).items()}
+    if args.sampled:
+        loads |= {f"{k}-c1-t0.8": (v, 1, 0.8) for k, v in workloads(args.prompts).items()}
     if args.c64:
-        loads |= {f"{k}-c64": (v, 64) for k, v in workloads(64).items()}
+        loads |= {f"{k}-c64": (v, 64, 0.0) for k, v in workloads(64).items()}
     for llm in llms.values():  # warm-up: the compiled step's graphs, the caches
         run_once(llm, workloads(1)["story"], 16, 1)
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
@@ -161,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     names = list(llms)
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]  # no variant always first
-        for load, (prompts, c) in loads.items():
+        for load, (prompts, c, temperature) in loads.items():
             for name in order:
-                runs[load][name].append(run_once(llms[name], prompts, args.max_tokens, c))
+                runs[load][name].append(run_once(llms[name], prompts, args.max_tokens, c,
+                                                 temperature))
             line = ", ".join(f"{n} {runs[load][n][-1]['tok_s']:.1f}" for n in llms)
             print(f"round {r + 1}/{args.rounds} {load}: {line} tok/s", file=sys.stderr)
     table = summarize(runs)
