@@ -7,7 +7,8 @@ Workloads, written here from this repository's own files (no hub data):
 - rewrite: "add a docstring to this function" over functions of scheduler/*.py, whose
   answer mostly copies the function;
 - passage: a question answered from a paragraph of docs/*.md, quoting it;
-- agent: a chat whose earlier turns are near-identical tool calls, asking for the next one;
+- agent: a chat whose earlier turns are near-identical tool calls, asking for the next one
+  (the suffix method also drafts from the calls it answered before, in this run);
 - story: free generation, where drafts rarely match and speculation must not hurt.
 
 At c=1 the prompts run one at a time; at c=64 all at once, where `disable_by_batch_size`
@@ -37,6 +38,7 @@ VARIANTS: dict[str, str | None] = {
     "none": None,
     "ngram-4": '{"method": "ngram", "num_speculative_tokens": 4}',
     "ngram-8": '{"method": "ngram", "num_speculative_tokens": 8}',
+    "suffix-16": '{"method": "suffix", "num_speculative_tokens": 16}',
 }
 
 
@@ -127,7 +129,7 @@ def plot(table: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     loads = list(table)
-    names = [v for v in VARIANTS if v != "none"]
+    names = [v for v in next(iter(table.values())) if v != "none"]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
     for j, name in enumerate(names):
@@ -149,13 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--c64", action="store_true", help="also run every workload at c=64")
     ap.add_argument("--sampled", action="store_true",
                     help="also run every workload at c=1 with temperature 0.8, top_p 0.95")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of {', '.join(VARIANTS)} (none is always run)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
+    chosen = ["none", *(v for v in args.variants.split(",") if v in VARIANTS and v != "none")]
 
     from engine.llm import LLM
 
-    llms = {name: LLM(speculative_config=spec) if spec else LLM()
-            for name, spec in VARIANTS.items()}
+    llms = {name: LLM(speculative_config=VARIANTS[name]) if VARIANTS[name] else LLM()
+            for name in chosen}
     loads: dict[str, tuple[list[str], int, float]] = {
         f"{k}-c1": (v, 1, 0.0) for k, v in workloads(args.prompts).items()}
     if args.sampled:
@@ -181,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"{stamp}-{machine_slug(info)}-speculative.json"
     path.write_text(json.dumps({"benchmark": "speculative", "args": {k: str(v) for k, v in
                                                                    vars(args).items()},
-                                "machine": info, "variants": VARIANTS, "table": table,
+                                "machine": info,
+                                "variants": {name: VARIANTS[name] for name in chosen},
+                                "table": table,
                                 "runs": runs}, indent=1))
     plot(table, path.with_suffix(".png"))
     for load, row in table.items():

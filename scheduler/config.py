@@ -72,8 +72,12 @@ class SchedulerConfig:
     speculative_config: str | None = option(
         None, "speculative decoding as a JSON object, as vLLM's: method ngram (prompt lookup: "
         "drafts are the tokens that followed the newest n-gram's last occurrence in the "
-        "request's own prompt and output), num_speculative_tokens (4), prompt_lookup_min (2), "
-        "prompt_lookup_max (5), disable_by_batch_size (8: no drafts while more sequences run; "
+        "request's own prompt and output) or suffix (the most frequent continuation of the "
+        "longest matched suffix, in the request's tokens and recent requests' outputs), "
+        "num_speculative_tokens (4), prompt_lookup_min (2), prompt_lookup_max (5), "
+        "suffix_decoding_max_tree_depth (24), suffix_decoding_max_cached_requests (1000), "
+        "suffix_decoding_max_spec_factor (1.0), suffix_decoding_min_token_prob (0.1), "
+        "disable_by_batch_size (8: no drafts while more sequences run; "
         "0 = never); not for requests with penalties, logprobs or a grammar; a request whose "
         "drafts do not pay pauses its drafting; see docs/speculative.md",
         kind=str, default_text="off")

@@ -38,9 +38,10 @@ from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.limits import EngineLimits
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.speculative import NgramProposer, SpecDecodeStats, may_speculate
+from scheduler.speculative import NgramProposer, Proposer, SpecDecodeStats, may_speculate
 from scheduler.step_budget import Allowance, StepBudget, TokenAllowance
 from scheduler.step_cost import StepShape
+from scheduler.suffix_decoding import SuffixProposer
 
 
 class Scheduler:
@@ -69,7 +70,9 @@ class Scheduler:
         # This step's prompt-work allowance (set by schedule()).
         self._allowance: Allowance = TokenAllowance(0)
         spec = config.speculative
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer: Proposer | None = None
+        if spec is not None:
+            self.proposer = (SuffixProposer if spec.method == "suffix" else NgramProposer)(spec)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
 
     # -- queries -----------------------------------------------------------------------------
@@ -180,7 +183,7 @@ class Scheduler:
         del self._seqs[seq.seq_id]
         del self._order[seq.seq_id]
         if self.proposer is not None:
-            self.proposer.forget(seq.seq_id)
+            self.proposer.finish(seq)
 
     # -- one step ----------------------------------------------------------------------------
 

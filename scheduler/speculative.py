@@ -1,5 +1,6 @@
 """Speculative decoding's scheduler side: the `--speculative-config` JSON, which requests may
-speculate, and the n-gram proposer (prompt lookup).
+speculate, the proposers' common part (their switch-off), the n-gram proposer (prompt lookup),
+and the counters. The suffix method is scheduler/suffix_decoding.py.
 
 A draft model costs a forward; an n-gram proposer costs a dictionary lookup. It proposes
 the tokens that followed the last occurrence of the sequence's newest n tokens in its own
@@ -22,16 +23,19 @@ the same batch.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
 from scheduler import stop_policy
 from scheduler.sequence import Sequence
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
+_FLOAT_FIELDS = {"suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"}
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-           "disable_by_batch_size"}
-MAX_SPECULATIVE_TOKENS = 16
+           "disable_by_batch_size", "suffix_decoding_max_tree_depth",
+           "suffix_decoding_max_cached_requests"} | _FLOAT_FIELDS
+MAX_SPECULATIVE_TOKENS = 32
 # At most this many earlier occurrences of the newest prompt_lookup_min tokens are compared
 # backwards for a longer match: the cost per step stays bounded on repetitive text.
 MAX_CANDIDATES = 8
@@ -42,13 +46,20 @@ DEFAULT_LOOKUP_MIN, DEFAULT_LOOKUP_MAX = 2, 5
 class SpeculativeConfig:
     """vLLM's `--speculative-config` fields for model-free methods. `disable_by_batch_size`:
     no drafts while more sequences than this run (a wide step is compute-bound, and extra
-    query tokens per row cost more than they save); 0 = never disabled."""
+    query tokens per row cost more than they save); 0 = never disabled. The suffix_decoding_
+    fields are the suffix method's (scheduler/suffix_decoding.py): how long a context it
+    matches, how many finished requests' outputs it keeps, drafts of at most factor x the
+    match length, and the lowest estimated probability a draft may reach."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_LOOKUP_MAX
     disable_by_batch_size: int = 8
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -62,6 +73,16 @@ class SpeculativeConfig:
                              "prompt_lookup_max")
         if self.disable_by_batch_size < 0:
             raise ValueError("speculative_config: disable_by_batch_size must be >= 0")
+        if self.suffix_decoding_max_tree_depth < 2:
+            raise ValueError("speculative_config: suffix_decoding_max_tree_depth must be >= 2")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("speculative_config: suffix_decoding_max_cached_requests must be "
+                             ">= 0")
+        if not 0 < self.suffix_decoding_max_spec_factor < float("inf"):
+            raise ValueError("speculative_config: suffix_decoding_max_spec_factor must be > 0")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("speculative_config: suffix_decoding_min_token_prob must be in "
+                             "[0, 1]")
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
@@ -80,8 +101,10 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
         raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)} "
                          f"(known: {', '.join(sorted(_FIELDS))})")
     for key, value in raw.items():
-        if key != "method" and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ValueError(f"speculative_config: {key} must be an integer")
+        number = (int, float) if key in _FLOAT_FIELDS else int
+        if key != "method" and (not isinstance(value, number) or isinstance(value, bool)):
+            kind = "a number" if key in _FLOAT_FIELDS else "an integer"
+            raise ValueError(f"speculative_config: {key} must be {kind}")
     if "prompt_lookup_min" in raw and "prompt_lookup_max" not in raw:
         raw["prompt_lookup_max"] = max(raw["prompt_lookup_min"], DEFAULT_LOOKUP_MAX)
     if "prompt_lookup_max" in raw and "prompt_lookup_min" not in raw:
@@ -149,19 +172,18 @@ def break_even(num_drafts: int) -> float:
 
 
 class _Track:
-    """One sequence's proposer state: its n-gram index and how well its drafts do."""
+    """How one sequence's drafts do: the average kept, and its pause."""
 
-    __slots__ = ("accepted", "index", "pause", "wait")
+    __slots__ = ("accepted", "pause", "wait")
 
-    def __init__(self, index: NgramIndex, k: int) -> None:
-        self.index = index
+    def __init__(self, k: int) -> None:
         self.accepted = break_even(k) + 1  # a little optimistic until its drafts say otherwise
         self.pause = PAUSE_STEPS  # steps without drafts the next time acceptance is low
         self.wait = 0  # steps left without drafts
 
 
-class NgramProposer:
-    """Drafts for the running sequences that may speculate, one index per sequence.
+class Proposer(ABC):
+    """Drafts for the running sequences that may speculate; a method fills in `_draft`.
 
     It switches itself off for a sequence whose drafts do not pay: when the average of its
     kept drafts falls below break_even(), it proposes nothing for a pause, then tries again;
@@ -181,7 +203,11 @@ class NgramProposer:
         if track.wait > 0:
             track.wait -= 1
             return []
-        return track.index.propose(seq.token_ids, k) if k > 0 else []
+        return self._draft(seq, k) if k > 0 else []
+
+    @abstractmethod
+    def _draft(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k drafts following seq's tokens (k >= 1)."""
 
     def observe(self, seq_id: str, num_drafts: int, num_accepted: int) -> None:
         """How seq_id's last draft did: it may pause seq_id's drafting (see the class)."""
@@ -194,16 +220,35 @@ class NgramProposer:
             track.pause = min(2 * track.pause, MAX_PAUSE_STEPS)
             track.accepted = break_even(num_drafts)  # one draft after the pause decides
 
-    def forget(self, seq_id: str) -> None:
-        self._tracks.pop(seq_id, None)
+    def finish(self, seq: Sequence) -> None:
+        """seq has finished (or was aborted): forget it."""
+        self._tracks.pop(seq.seq_id, None)
 
     def _track(self, seq_id: str) -> _Track:
         track = self._tracks.get(seq_id)
         if track is None:
-            cfg = self.config
-            index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            track = self._tracks[seq_id] = _Track(index, cfg.num_speculative_tokens)
+            track = self._tracks[seq_id] = _Track(self.config.num_speculative_tokens)
         return track
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: each sequence's n-gram index over its own tokens (NgramIndex)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def _draft(self, seq: Sequence, k: int) -> list[int]:
+        index = self._indexes.get(seq.seq_id)
+        if index is None:
+            cfg = self.config
+            index = self._indexes[seq.seq_id] = NgramIndex(cfg.prompt_lookup_min,
+                                                           cfg.prompt_lookup_max)
+        return index.propose(seq.token_ids, k)
+
+    def finish(self, seq: Sequence) -> None:
+        super().finish(seq)
+        self._indexes.pop(seq.seq_id, None)
 
 
 class SpecDecodeStats:

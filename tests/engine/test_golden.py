@@ -223,6 +223,22 @@ def test_speculative_decoding_matches_hf(case: str, smollm2_runner, smol_prompts
 
 
 @pytest.mark.slow
+def test_suffix_decoding_matches_hf_and_drafts_from_earlier_answers(
+        smollm2_runner, smol_prompts, smol_reference) -> None:
+    """The suffix method: the same prompts twice; the second time the cache holds the first
+    answers, so more drafts are kept, and both times the tokens are HF's."""
+    engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024,
+                         speculative_config='{"method": "suffix", "num_speculative_tokens": 8, '
+                                            '"disable_by_batch_size": 0}')
+    kept = []
+    for _ in range(2):
+        before = engine.stats().spec_num_accepted_tokens
+        assert run(engine, smol_prompts) == smol_reference(smol_prompts)
+        kept.append(engine.stats().spec_num_accepted_tokens - before)
+    assert 0 < kept[0] < kept[1], kept
+
+
+@pytest.mark.slow
 def test_speculating_rows_share_steps_with_rows_that_cannot(smollm2_runner, smol_prompts,
                                                             smol_reference) -> None:
     """Requests that report logprobs or wait out min_tokens decode one token a step beside

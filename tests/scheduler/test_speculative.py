@@ -5,6 +5,7 @@ its switch-off, and the scheduler's drafts: bounded, never preempting, rolled ba
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -23,6 +24,7 @@ from scheduler.speculative import (
     may_speculate,
     parse_speculative_config,
 )
+from scheduler.suffix_decoding import SuffixIndex, SuffixProposer
 from tests.support.schedsim import FakeRunner, assert_all_free, make_scheduler, make_seq, step
 
 PERIOD = 5
@@ -86,8 +88,8 @@ def test_config_parses_vllms_json_with_our_defaults() -> None:
 
 @pytest.mark.parametrize(("text", "says"), [
     ("{", "not JSON"), ("[1]", "JSON object"), ('{"method": "eagle"}', "not supported"),
-    ('{"method": "suffix"}', "not supported"), (spec(num_speculative_tokens=0), "[1, 16]"),
-    (spec(num_speculative_tokens=17), "[1, 16]"), (spec(num_speculative_tokens="4"), "integer"),
+    ('{"method": "draft_model"}', "not supported"), (spec(num_speculative_tokens=0), "[1, 32]"),
+    (spec(num_speculative_tokens=33), "[1, 32]"), (spec(num_speculative_tokens="4"), "integer"),
     (spec(num_speculative_tokens=True), "integer"),
     (spec(prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min <="),
     (spec(prompt_lookup_min=0), "prompt_lookup_min <="), (spec(disable_by_batch_size=-1), ">= 0"),
@@ -309,3 +311,105 @@ def test_a_stop_string_inside_a_verified_run_drops_the_tokens_after_it() -> None
     assert seq.num_output_tokens == n - 2 and seq.stop_reason == "stop"
     assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.block_table == []
     assert_all_free(sched)
+
+
+# -- suffix decoding -------------------------------------------------------------------------
+
+
+def test_suffix_config_fields_take_vllms_names() -> None:
+    cfg = parse_speculative_config(json.dumps({
+        "method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_tree_depth": 32,
+        "suffix_decoding_max_cached_requests": 10, "suffix_decoding_max_spec_factor": 2,
+        "suffix_decoding_min_token_prob": 0.25}))
+    assert cfg is not None and cfg.method == "suffix" and cfg.num_speculative_tokens == 24
+    assert (cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests,
+            cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob) == (
+        32, 10, 2, 0.25)
+    for field, value, says in [("suffix_decoding_max_tree_depth", 1, ">= 2"),
+                               ("suffix_decoding_max_cached_requests", -1, ">= 0"),
+                               ("suffix_decoding_max_spec_factor", 0, "> 0"),
+                               ("suffix_decoding_min_token_prob", 1.5, "[0, 1]"),
+                               ("suffix_decoding_min_token_prob", "x", "a number"),
+                               ("suffix_decoding_max_tree_depth", 2.5, "an integer")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            parse_speculative_config(json.dumps({"method": "suffix", field: value}))
+
+
+def test_suffix_index_votes_among_the_longest_matches() -> None:
+    index = SuffixIndex()
+    index.update(1, [9, 1, 2, 3, 4, 5])
+    index.update(2, [8, 1, 2, 3, 4, 6])
+    index.update(3, [7, 7, 2, 3, 4, 7])
+    # (2, 3) occurs in all three; the longest suffix of the context, (1, 2, 3), in 1 and 2,
+    # which agree on 4 and then split on 5 / 6 (probability 1/2)
+    draft, score = index.continuation([0, 1, 2, 3], 24, 9.0, 0.1, 8)
+    assert draft == [4, 5] and score == pytest.approx(1 + 0.5)
+    assert index.continuation([0, 1, 2, 3], 24, 9.0, 0.6, 8)[0] == [4]  # 1/2 < 0.6: stop
+    assert index.continuation([0, 1, 2, 3], 24, 9.0, 0.1, 1)[0] == [4]  # k
+    assert index.continuation([0, 1, 2, 3], 24, 0.4, 0.1, 8)[0] == [4]  # 0.4 x 3 tokens
+    assert index.continuation([5, 5], 24, 1.0, 0.1, 8) == ([], 0.0)  # no match
+    assert index.continuation([3], 24, 1.0, 0.1, 8) == ([], 0.0)  # shorter than the anchor
+    index.remove(1)
+    assert index.continuation([0, 1, 2, 3], 24, 9.0, 0.1, 8)[0] == [4, 6]
+    index.remove(2)
+    index.remove(3)
+    assert index.seqs == {} and index.continuation([2, 3], 24, 9.0, 0.0, 8) == ([], 0.0)
+
+
+def test_suffix_index_of_a_growing_sequence_never_matches_its_newest_tokens() -> None:
+    index = SuffixIndex()
+    tokens = [1, 2, 3]
+    index.update(0, tokens)
+    assert index.continuation(tokens, 24, 9.0, 0.0, 4) == ([], 0.0)
+    tokens += [1, 2]
+    index.update(0, tokens)
+    assert index.continuation(tokens, 24, 9.0, 0.0, 4)[0] == [3, 1, 2]  # up to the end only
+
+
+def test_suffix_proposer_drafts_from_finished_requests_outputs() -> None:
+    cfg = SpeculativeConfig(method="suffix", num_speculative_tokens=8,
+                            suffix_decoding_max_cached_requests=2)
+    proposer = SuffixProposer(cfg)
+    call = [40, 41, 42, 43, 44, 45, 46, 47]
+    first = make_seq("first", [1, 2, 3, 30, 31])
+    assert proposer.propose(first, 8) == []  # nothing seen yet
+    first.token_ids += call  # its answer: a tool call
+    proposer.finish(first)
+    second = make_seq("second", [5, 6, 40, 41, 42])  # starts the same call
+    assert proposer.propose(second, 8) == [43, 44, 45]  # 3 matched tokens, factor 1
+    proposer.finish(second)  # nothing generated: not cached
+    for i in range(2):  # two more outputs push the call out of a 2-request cache
+        other = make_seq(f"o{i}", [1])
+        other.token_ids += [60 + i, 61 + i, 62 + i]
+        proposer.finish(other)
+    assert proposer.propose(make_seq("third", [40, 41, 42]), 8) == []
+    off = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_cached_requests=0))
+    off.finish(first)
+    assert off.propose(make_seq("fourth", [40, 41, 42]), 8) == []
+
+
+def test_suffix_proposer_prefers_the_requests_own_tokens_when_they_score_higher() -> None:
+    proposer = SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=4))
+    done = make_seq("done", [0])
+    done.token_ids += [7, 8, 1]
+    proposer.finish(done)  # the cache says 7, 8 -> 1, once
+    seq = make_seq("a", [7, 8, 2, 7, 8, 2, 7, 8])  # its own tokens say 7, 8 -> 2, twice
+    assert proposer.propose(seq, 4)[0] == 2
+
+
+def test_suffix_decoding_keeps_decodings_tokens_and_learns_across_requests() -> None:
+    """An agent loop: each request repeats the previous one's answer. The first request
+    drafts from its own tokens only; later ones get the cached answers' continuations and
+    keep more of their drafts. Every output equals decoding alone."""
+    sched = make_sched(speculative_config=json.dumps({
+        "method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": 0}))
+    runner = FakeRunner(sched, periodic)
+    kept = []
+    for i in range(3):
+        seq = make_seq(f"r{i}", PROMPT, max_tokens=40, temperature=0.0)
+        sched.add(seq)
+        before = sched.spec_stats.num_accepted_tokens
+        drain(sched, runner)
+        assert seq.output_token_ids == generate_alone(PROMPT, 40)
+        kept.append(sched.spec_stats.num_accepted_tokens - before)
+    assert 0 < kept[0] < kept[1] <= kept[2], kept
