@@ -272,9 +272,8 @@ class Scheduler:
         # Blocks for drafts only while every running sequence could still get a block this
         # step: a decode must never be preempted for another sequence's drafts.
         bm = self.block_manager
-        extra = bm.num_blocks_needed(seq, 1 + len(drafts)) - bm.num_blocks_needed(seq, 1)
-        if extra and bm.num_free_blocks - bm.num_blocks_needed(seq, 1 + len(drafts)) \
-                < len(self.running):
+        needed = bm.num_blocks_needed(seq, 1 + len(drafts))
+        if needed > bm.num_blocks_needed(seq, 1) and bm.num_free_blocks - needed < len(self.running):
             return 0
         out.draft_token_ids[seq.seq_id] = drafts
         return len(drafts)
@@ -376,10 +375,7 @@ class Scheduler:
                 done.append(seq)
                 continue
             sampled = output.samples(i)  # before advancing: it compares computed with total
-            seq.num_computed_tokens += output.num_scheduled_tokens[i]
-            self.block_manager.cache_full_blocks(seq)
-            if self.limits.sliding_window:
-                self.block_manager.release_out_of_window(seq, self.limits.sliding_window)
+            self._advance(seq, output.num_scheduled_tokens[i])
             if sampled:
                 self._on_sample(seq, sampled_token_ids[seq.seq_id])
                 done.append(seq)
@@ -404,12 +400,17 @@ class Scheduler:
                                              self.limits.max_model_len)
             if finish is not None:
                 break
-        seq.num_computed_tokens += appended
+        self._advance(seq, appended)
+        if finish is not None:
+            self._finish_running(seq, *finish)
+
+    def _advance(self, seq: Sequence, num_computed: int) -> None:
+        """num_computed more of seq's tokens have their K/V: publish the blocks they filled
+        and release those that fell out of a sliding window."""
+        seq.num_computed_tokens += num_computed
         self.block_manager.cache_full_blocks(seq)
         if self.limits.sliding_window:
             self.block_manager.release_out_of_window(seq, self.limits.sliding_window)
-        if finish is not None:
-            self._finish_running(seq, *finish)
 
     def _on_sample(self, seq: Sequence, token_id: int) -> None:
         params = seq.params
