@@ -1,14 +1,16 @@
 """Where the quantized kernels stop paying: the linear work of one step at N token rows,
-quantized kernel against the dense weight, on the loaded model.
+torch's quantized kernel, our many-row kernel and the dense weight, on the loaded model.
 
 A step of N token rows calls every linear of the model once with N rows (the lm_head only
 with the rows that need logits; a decode step needs all of them). For each quantized module
-of `--quantization` (engine/layers/quantization/quant.py) and each N, this times the module's int4/int8 kernel
-(`_kernel`, activations cast to the kernel dtype and back, as forward does) and its dense
-copy (its `dense` module: oneDNN-packed in bf16, engine/layers/packed_linear.py), alternating the two in a shuffled order so a shared machine's drift hits
-both alike, and keeps the median. Summed over the modules, that is the part of a step the
-DENSE_ABOVE_ROWS choice (engine/layers/quantization/quant.py) decides; the crossover is the smallest N from
-which dense is faster.
+of `--quantization` (engine/layers/quantization/quant.py) and each N, this times the module's torch int4/int8
+kernel (`_kernel`, activations cast to the kernel dtype and back, as forward does), our
+many-row kernel (`_many_rows_kernel`, engine/layers/quantization/many_rows.py, where it is available) and a
+dense copy (kept for this benchmark: oneDNN-packed in bf16, engine/layers/packed_linear.py),
+alternating them in a shuffled order so a shared machine's drift hits all alike, and keeps
+the median. Summed over the modules, that is the part of a step that MANY_ROWS_ABOVE and
+DENSE_ABOVE_ROWS decide; the crossover is the smallest N from which dense is faster than
+torch's kernel.
 
     .venv/bin/python -m benchmarks.bench_quant_rows                    # auto (GGUF Q4_1), fp32
     .venv/bin/python -m benchmarks.bench_quant_rows --quantization int8 --threads 1
@@ -56,6 +58,12 @@ def kernel_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return call
 
 
+def many_rows_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def call() -> torch.Tensor:
+        return mod._many_rows_kernel(x.to(mod.kernel_dtype).contiguous()).to(x.dtype)
+    return call
+
+
 def dense_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: mod.dense(x)
 
@@ -74,10 +82,14 @@ def group(name: str) -> str:
 
 def measure(mods: list[tuple[str, Any]], rows: tuple[int, ...], repeats: int,
             seed: int, dtype: torch.dtype = torch.float32) -> dict[int, dict[str, dict[str, float]]]:
-    """{N: {group: {"kernel": s, "dense": s}}}: per N and module kind, the sum over its
-    modules of each path's median; group "all" sums every module."""
+    """{N: {group: {"kernel": s, "many_rows": s, "dense": s}}}: per N and module kind, the
+    sum over its modules of each path's median ("many_rows" only where every module has our
+    kernel); group "all" sums every module."""
     from tqdm import tqdm
 
+    paths = {"kernel": kernel_call, "dense": dense_call}
+    if all(mod.use_many_rows for _, mod in mods):
+        paths["many_rows"] = many_rows_call
     rng = random.Random(seed)
     samples: dict[tuple[int, str, str], list[float]] = {}
     jobs = [(n, name, mod) for n in rows for name, mod in mods]
@@ -86,9 +98,9 @@ def measure(mods: list[tuple[str, Any]], rows: tuple[int, ...], repeats: int,
             rng.shuffle(jobs)
             for n, name, mod in jobs:
                 x = torch.randn(n, mod.in_features, dtype=dtype)
-                pair = [("kernel", kernel_call(mod, x)), ("dense", dense_call(mod, x))]
-                rng.shuffle(pair)
-                for path, fn in pair:
+                calls = [(path, make(mod, x)) for path, make in paths.items()]
+                rng.shuffle(calls)
+                for path, fn in calls:
                     fn()  # warm: the first call of a shape may allocate
                     samples.setdefault((n, name, path), []).append(time_once(fn))
     out: dict[int, dict[str, dict[str, float]]] = {}
@@ -96,7 +108,7 @@ def measure(mods: list[tuple[str, Any]], rows: tuple[int, ...], repeats: int,
         out[n] = {}
         for name, _ in mods:
             for g in ("all", group(name)):
-                acc = out[n].setdefault(g, {"kernel": 0.0, "dense": 0.0})
+                acc = out[n].setdefault(g, dict.fromkeys(paths, 0.0))
                 for path in acc:
                     acc[path] += statistics.median(samples[(n, name, path)])
     return out
@@ -109,6 +121,27 @@ def crossover(per_rows: dict[int, dict[str, float]]) -> int | None:
         if all(per_rows[m]["dense"] < per_rows[m]["kernel"] for m in ns[i:]):
             return n
     return None
+
+
+def with_dense_copies(model: Any, dtype: torch.dtype) -> Any:
+    """Give every quantized module a dense bf16 copy of its dequantized weight to time
+    against (what DENSE_ABOVE_ROWS keeps where our many-row kernel is unavailable), packed
+    as the loader packs dense linears."""
+    from engine.layers.packed_linear import PackedLinear, packing_applies
+    from engine.layers.quantization.linear import _dense_linear
+
+    with torch.inference_mode():
+        for _, mod in model.named_modules():
+            if getattr(mod, "kernel_dtype", None) is None or getattr(mod, "dense", 1) is not None:
+                continue
+            eye = torch.eye(mod.in_features, dtype=mod.kernel_dtype)
+            call = mod._many_rows_kernel if mod.use_many_rows else mod._kernel
+            weight = call(eye).t().to(dtype).contiguous()  # [N, K]: W e_k is row k of W^T
+            dense: torch.nn.Module = _dense_linear(weight, None)
+            if packing_applies(weight.device, weight.dtype, False):
+                dense = PackedLinear(dense.weight, None)
+            mod.dense, mod.dense_above = dense, 10**9  # kept for timing only, never chosen
+    return model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,17 +167,18 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or serving_threads()
     torch.set_num_threads(threads)
     loaded = load_model(args.model, device="cpu", dtype=args.dtype, quantization=args.quantization)
-    mods = quant_modules(loaded.model)
+    mods = quant_modules(with_dense_copies(loaded.model, getattr(torch, args.dtype)))
     per_rows = measure(mods, tuple(args.rows), args.repeats, args.seed,
                        getattr(torch, args.dtype))
     crossovers = {g: crossover({n: v[g] for n, v in per_rows.items()})
                   for g in next(iter(per_rows.values()))}
     print(f"{len(mods)} quantized linears, {args.dtype}, {threads} thread(s); ms per step")
     for g, cross in crossovers.items():
-        print(f"\n{g}: {'rows':>5} {'kernel':>9} {'dense':>9} {'dense/kernel':>13}")
+        print(f"\n{g}: {'rows':>5} {'kernel':>9} {'many_rows':>10} {'dense':>9} {'dense/kernel':>13}")
         for n, v in per_rows.items():
-            k, d = v[g]["kernel"], v[g]["dense"]
-            print(f"{'':{len(g) + 2}}{n:>5} {k * 1e3:>9.2f} {d * 1e3:>9.2f} {d / k:>12.2f}x")
+            k, d, m = v[g]["kernel"], v[g]["dense"], v[g].get("many_rows", float("nan"))
+            print(f"{'':{len(g) + 2}}{n:>5} {k * 1e3:>9.2f} {m * 1e3:>10.2f} {d * 1e3:>9.2f} "
+                  f"{d / k:>12.2f}x")
         print(f"{'':{len(g) + 2}}crossover: {cross}")
     print(f"\ncrossover of the whole step (dense faster from here on): {crossovers['all']} rows")
     machine = machine_info() | {"load_avg_at_end": os.getloadavg()}

@@ -1,11 +1,14 @@
-"""Our C++ CPU kernels (engine/attention/csrc/), built on first use with the machine's g++ and cached.
+"""Our C++ CPU kernels, built on first use with the machine's g++ and cached.
 
-Today one kernel: paged decode attention (csrc/paged_decode.cpp), which reads each decode's
-K/V straight from the paged pool instead of gathering a padded copy (engine/attention/paged.py).
-Every step calls its fused form, paged_decode_step: the layer's K/V writes and its decodes'
-attention in one op call (prompt chunks then go through SDPA).
-It is optional: without a compiler, or if the build fails, the engine logs why once and keeps
-the torch path, which gives the same results (tests/engine/test_cpu_kernels.py).
+Two libraries, one per source, built and loaded by `load_library`:
+- paged decode attention (csrc/paged_decode.cpp), which reads each decode's K/V straight from
+  the paged pool instead of gathering a padded copy (engine/attention/paged.py). Every step
+  calls its fused form, paged_decode_step: the layer's K/V writes and its decodes' attention
+  in one op call (prompt chunks then go through SDPA). It is optional: without a compiler, or
+  if the build fails, the engine logs why once and keeps the torch path, which gives the same
+  results (tests/engine/test_cpu_kernels.py).
+- the quantized linears' many-row matmuls (engine/layers/quantization/csrc/quant_mm.cpp),
+  used by engine/layers/quantization/linear.py.
 
 Build. g++ (-O3 -march=native -fopenmp; compile, then link) against torch's headers and
 libraries, 7-8 s, no ninja and no Python headers: the .so registers its ops with TORCH_LIBRARY and
@@ -71,24 +74,28 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                                  softcap, sinks)
 
 
-# The library this process has loaded. Its ops register once per process (a second copy,
-# say from another cache folder, would abort on the duplicate registration), so it is kept.
-_loaded: Path | None = None
+# The libraries this process has loaded, by source. Their ops register once per process (a
+# second copy, say from another cache folder, would abort on the duplicate registration).
+_loaded: dict[Path, Path] = {}
+
+
+def _load() -> Path | None:
+    return load_library(SOURCE, "paged-decode kernel", "the torch path")
 
 
 @functools.cache
-def _load() -> Path | None:
-    """Build (or find) the library and load it into torch; None, logged once, if that fails."""
-    global _loaded
-    if _loaded is None:
+def load_library(source: Path, what: str, fallback: str) -> Path | None:
+    """Build (or find) the library of one of our C++ sources and load it into torch; None,
+    logged once (`what` is unavailable, `fallback` is used instead), if that fails."""
+    if source not in _loaded:
         try:
-            library = _build()
+            library = _build(source, what)
             torch.ops.load_library(str(library))
-        except Exception as exc:  # noqa: BLE001 - any failure means: keep the torch path
-            log.warning("CPU paged-decode kernel unavailable, using the torch path: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - any failure means: keep the fallback
+            log.warning("CPU %s unavailable, using %s: %s", what, fallback, exc)
             return None
-        _loaded = library
-    return _loaded
+        _loaded[source] = library
+    return _loaded[source]
 
 
 def _compiler() -> str:
@@ -98,21 +105,21 @@ def _compiler() -> str:
     return cxx
 
 
-def _commands(cxx: str, output: Path) -> list[list[str]]:
-    """Compile SOURCE to an object beside `output`, then link that into `output`."""
+def _commands(cxx: str, source: Path, output: Path) -> list[list[str]]:
+    """Compile `source` to an object beside `output`, then link that into `output`."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     obj = output.with_suffix(".o")
     return [[cxx, *COMPILE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-             *[f"-I{p}" for p in include_paths()], "-c", str(SOURCE), "-o", str(obj)],
+             *[f"-I{p}" for p in include_paths()], "-c", str(source), "-o", str(obj)],
             [cxx, *LINK_FLAGS, str(obj), "-o", str(output),
              *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu",
              *[f"-Wl,-rpath,{p}" for p in library_paths()]]]
 
 
-def _cache_key(cxx: str) -> str:
-    parts = [SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), torch.__version__.encode(),
+def _cache_key(cxx: str, source: Path) -> str:
+    parts = [source.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), torch.__version__.encode(),
              str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), cxx.encode(), _cpu_id().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -127,27 +134,26 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _build() -> Path:
+def _build(source: Path, what: str) -> Path:
     from engine.worker.cache_paths import cache_root
 
     cxx = _compiler()
     folder = cache_root() / "cpu_kernels"
-    library = folder / f"paged_decode-{_cache_key(cxx)}.so"
+    library = folder / f"{source.stem}-{_cache_key(cxx, source)}.so"
     if library.exists():
         return library
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    log.info("building the CPU paged-decode kernel (once per machine and torch version)")
+    log.info("building the CPU %s (once per machine and torch version)", what)
     # Built beside its final name and renamed into place: processes building at once (tests,
     # replicas) each finish a whole file, and none loads a half-written one.
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         partial = Path(tmp) / library.name
-        for command in _commands(cxx, partial):
+        for command in _commands(cxx, source, partial):
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"{cxx} failed ({done.returncode}): "
                                    f"{done.stderr.strip()[-2000:]}")
         os.replace(partial, library)
-    log.info("built the CPU paged-decode kernel in %.1f s: %s", time.perf_counter() - started,
-             library)
+    log.info("built the CPU %s in %.1f s: %s", what, time.perf_counter() - started, library)
     return library

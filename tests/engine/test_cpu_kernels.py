@@ -311,10 +311,10 @@ def test_the_flag_reaches_the_runner(llama_runner: ModelRunner) -> None:
 def test_a_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch,
                                                      tmp_path: Path,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(cpu_kernels, "_loaded", None)  # as in a process that never loaded it
+    monkeypatch.setattr(cpu_kernels, "_loaded", {})  # as in a process that never loaded it
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))  # nothing cached: it must build
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-    cpu_kernels._load.cache_clear()
+    cpu_kernels.load_library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="engine.attention.cpu_kernels"):
             assert not cpu_kernels.paged_decode_available()
@@ -322,7 +322,7 @@ def test_a_failed_build_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPa
         assert len(caplog.records) == 1, caplog.records  # cached: asked twice, warned once
         assert "using the torch path: false failed" in caplog.records[0].message
     finally:
-        cpu_kernels._load.cache_clear()  # the next caller finds the loaded library again
+        cpu_kernels.load_library.cache_clear()  # the next caller finds the loaded library again
 
 
 def test_loading_the_kernel_keeps_subnormals() -> None:
@@ -338,11 +338,11 @@ def test_loading_the_kernel_keeps_subnormals() -> None:
 
 
 def test_a_cached_build_is_reused(monkeypatch: pytest.MonkeyPatch) -> None:
-    first = cpu_kernels._build()
+    first = cpu_kernels._build(cpu_kernels.SOURCE, "kernel")
 
     def no_compiler(*args: object, **kwargs: object) -> None:
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(subprocess, "run", no_compiler)
-    assert cpu_kernels._build() == first
+    assert cpu_kernels._build(cpu_kernels.SOURCE, "kernel") == first
     assert first.name.startswith("paged_decode-") and first.suffix == ".so"

@@ -29,10 +29,40 @@ def test_a_dense_model_is_all_dense_weights_each_counted_once(tiny_qwen2: Path) 
                    "packed_weights": 0, "quantized_weights": 0, "dense_copies": 0}
 
 
-def test_quantized_weights_and_their_dense_copies_are_told_apart(tiny_llama: Path) -> None:
-    """int8: the packed int8 weights and scales are quantized_weights; the dense weights the
-    modules keep for steps above DENSE_ABOVE_ROWS rows are dense_copies (what issue 37 part 2
-    removes), not dense_weights."""
+@pytest.mark.parametrize(("mode", "dtype"), [("int8", "float32"), ("int4", "bfloat16")])
+def test_a_quantized_model_holds_one_copy_of_each_weight(tiny_llama: Path, mode: str,
+                                                         dtype: str) -> None:
+    """With the many-row kernel (issue 37 part 2) no quantized module keeps a dense weight:
+    every linear weight is counted once, as quantized_weights, and the only dense weights
+    left are the embedding and the norms."""
+    from engine.layers.quantization import many_rows
+
+    if not many_rows.available():
+        pytest.skip("no many-row kernel here: the modules keep dense copies (tested below)")
+    model = load_model(str(tiny_llama), device="cpu", dtype=dtype, quantization=mode).model
+    quantized = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert quantized and all(m.dense is None for m in quantized)
+    got = weight_bytes(model)
+    assert got["dense_copies"] == 0 and got["packed_weights"] == 0
+    own = [t for m in quantized for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]]
+    assert got["quantized_weights"] == storage_bytes(own) > 0
+    embedding = model.get_input_embeddings().weight
+    held = {t.untyped_storage().data_ptr() for t in own}
+    rest = [t for t in [*model.parameters(), *model.buffers()]
+            if t.untyped_storage().data_ptr() not in held]
+    assert all(t.dim() < 2 or t is embedding for t in rest)  # norms, rotary tables: no matrix
+    assert got["dense_weights"] == storage_bytes(rest)
+    assert sum(got.values()) == storage_bytes([*model.parameters(), *model.buffers()])
+
+
+def test_quantized_weights_and_their_dense_copies_are_told_apart(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 without the many-row kernel: the packed int8 weights and scales are
+    quantized_weights; the dense weights the modules then keep for steps above
+    DENSE_ABOVE_ROWS rows are dense_copies, not dense_weights."""
+    from engine.layers.quantization import many_rows
+
+    monkeypatch.setattr(many_rows, "available", lambda: False)
     model = load_model(str(tiny_llama), device="cpu", dtype="float32",
                        quantization="int8").model
     quantized = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]

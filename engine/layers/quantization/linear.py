@@ -1,11 +1,13 @@
 """Drop-in replacements for nn.Linear that hold weight-only quantized weights.
 
-Which kernel is fastest depends on how many token rows the step carries: a quantized
-kernel reads 4-8x fewer weight bytes, which wins while the step is bound by reading the
-weights (decode at a few streams), but its unpacking costs more per row than a dense GEMM,
-which wins from a few rows up (measurements in docs/quantization.md). So a module may keep
-a dense copy of its weight and use it for calls with more than `dense_above` rows. The
-check is on a static shape, so torch.compile turns it into a guard, not a graph break.
+Which kernel is fastest depends on how many token rows the step carries. torch's kernels
+read 4-8x fewer weight bytes than a dense GEMM, which wins while the step is bound by reading
+the weights (decode at a few streams), but they unpack the weights again for every few rows,
+so from ~8 rows up a call goes to our many-row kernel (many_rows.py), which dequantizes each
+weight tile once for all the rows and runs about as fast as a dense GEMM there. Where that
+kernel is unavailable a module may keep a dense copy of its weight instead and use it for
+calls with more than `dense_above` rows (measurements in docs/memory.md). The checks are on
+a static shape, so torch.compile turns them into guards, not graph breaks.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from engine.layers.quantization import many_rows
 from engine.layers.quantization.pack import Int4Weight, Int8Weight
 
 # bfloat16: the CPU kernels' fast path (their float32-activation path is 10-20x slower here).
@@ -32,6 +35,8 @@ class _QuantLinear(nn.Module):
         self.out_features = out_features
         self.dense_above = dense_above
         self.kernel_dtype = kernel_dtype
+        # our many-row kernel computes in bf16 on the CPU (the modules are built on the CPU)
+        self.use_many_rows = kernel_dtype == torch.bfloat16 and many_rows.available()
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         # The dense path is an nn.Linear of its own (engine/layers/packed_linear.py may swap it for
         # a packed one), sharing the bias and, with tied embeddings, the embedding's table.
@@ -41,11 +46,20 @@ class _QuantLinear(nn.Module):
         rows = math.prod(x.shape[:-1])
         if self.dense is not None and rows > self.dense_above:
             return self.dense(x)
-        out = self._kernel(x.reshape(rows, self.in_features).to(self.kernel_dtype))
+        x2d = x.reshape(rows, self.in_features).to(self.kernel_dtype)
+        if self.use_many_rows and rows > many_rows.MANY_ROWS_ABOVE:
+            out = self._many_rows_kernel(x2d.contiguous())
+        else:
+            out = self._kernel(x2d)
         out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        """torch's kernel (any row count)."""
+        raise NotImplementedError
+
+    def _many_rows_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Ours, for calls of more than MANY_ROWS_ABOVE rows (only when self.use_many_rows)."""
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -121,6 +135,9 @@ class Int4Linear(_QuantLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size,
                                                            self.scales_and_zeros)
 
+    def _many_rows_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        return many_rows.int4_mm(x2d, self.packed, self.group_size, self.scales_and_zeros)
+
     def extra_repr(self) -> str:
         return f"int4 g{self.group_size}, " + super().extra_repr()
 
@@ -151,6 +168,9 @@ class Int8Linear(_QuantLinear):
 
     def _kernel(self, x2d: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x2d, self.codes, self.scales)
+
+    def _many_rows_kernel(self, x2d: torch.Tensor) -> torch.Tensor:
+        return many_rows.int8_mm(x2d, self.codes, self.scales)
 
     def extra_repr(self) -> str:
         return "int8 per-row, " + super().extra_repr()

@@ -15,20 +15,24 @@ The embedding lookup always stays dense: it reads a handful of rows per step. Wi
 embeddings the lm_head's dense copy IS the embedding tensor, so it costs nothing (until
 engine/layers/packed_linear.py packs the dense copies, in bf16 on the CPU: the head's is then its own).
 
-Each quantized module keeps its dense weight for steps of more than DENSE_ABOVE_ROWS token
-rows (engine/layers/quantization/linear.py): quantized kernels win while a step reads its weights, dense
-GEMMs win once rows amortize them. The memory this costs is logged at load.
+One resident copy of each weight: a quantized module serves steps of every size from its
+quantized buffers, torch's kernels for a few token rows and our many-row kernel above
+(engine/layers/quantization/many_rows.py), which runs about as fast as a dense GEMM there. Only where
+that kernel is unavailable (no compiler, no bf16 micro-kernel on the CPU) does each module
+keep its dense weight for steps of more than DENSE_ABOVE_ROWS rows, since torch's kernels
+slow down with the rows; the memory this costs is logged at load.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from engine.layers.quantization import many_rows
 from engine.layers.quantization.linear import KERNEL_DTYPE, Int4Linear, Int8Linear
 from engine.layers.quantization.pack import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
@@ -36,7 +40,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # groups of 32: perplexity +% vs 64 in docs/quantization.md
-DENSE_ABOVE_ROWS = 8  # crossover measured on the real model, docs/quantization.md
+DENSE_ABOVE_ROWS = 8  # without the many-row kernel: the crossover measured, docs/memory.md
 
 
 def resolve_mode(mode: str, gguf: bool, device: torch.device, dtype: torch.dtype,
@@ -57,11 +61,15 @@ def resolve_mode(mode: str, gguf: bool, device: torch.device, dtype: torch.dtype
 
 
 def quantize_model(model: Any, mode: str, gguf: Path | None,
-                   dense_above: int | None = DENSE_ABOVE_ROWS) -> int:
+                   dense_above: int | None | Literal["auto"] = "auto") -> int:
     """Replace the model's linears per `mode` (already resolved); returns how many were
-    replaced. `dense_above=None` drops the dense copies (least memory, quantized always)."""
+    replaced. `dense_above=None` drops the dense copies (least memory, quantized always),
+    an int keeps them for steps above that many rows, and "auto" keeps them only where the
+    many-row kernel is unavailable."""
     if mode == "none":
         return 0
+    if dense_above == "auto":
+        dense_above = None if many_rows.available() else DENSE_ABOVE_ROWS
     native = _native(gguf, model)
     if mode == "auto" and not native:
         return 0
@@ -81,8 +89,8 @@ def quantize_model(model: Any, mode: str, gguf: Path | None,
         _set_module(model, name, new)
         replaced += 1
         extra += sum(b.numel() * b.element_size() for b in new.buffers())
-    kept = "no dense copies" if dense_above is None else f"dense copies kept for steps above " \
-        f"{dense_above} rows"
+    kept = "one copy: no dense weights beside them" if dense_above is None else \
+        f"dense copies kept for steps above {dense_above} rows"
     computes = str(KERNEL_DTYPE).removeprefix("torch.")
     log.info("quantization %s: %d linears replaced, +%.1f MB of quantized weights (%s); the "
              "quantized kernels compute in %s%s", mode, replaced, extra / 2**20, kept, computes,
