@@ -137,9 +137,8 @@ def with_dense_copies(model: Any, dtype: torch.dtype) -> Any:
             eye = torch.eye(mod.in_features, dtype=mod.kernel_dtype)
             call = mod._many_rows_kernel if mod.use_many_rows else mod._kernel
             weight = call(eye).t().to(dtype).contiguous()  # [N, K]: W e_k is row k of W^T
-            dense: torch.nn.Module = _dense_linear(weight, None)
-            if packing_applies(weight.device, weight.dtype, False):
-                dense = PackedLinear(dense.weight, None)
+            packs = packing_applies(weight.device, weight.dtype, False)
+            dense = PackedLinear(weight, None) if packs else _dense_linear(weight, None)
             mod.dense, mod.dense_above = dense, 10**9  # kept for timing only, never chosen
     return model
 
