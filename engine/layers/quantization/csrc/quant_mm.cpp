@@ -36,10 +36,24 @@ constexpr int64_t kBlockN = 64;            // rows per block of torch's int4 CPU
 constexpr int64_t kTileBytes = 512 << 10;  // one task's dequantized tile: half an L2 cache
 constexpr int64_t kBlockM = 32;            // token rows per micro-kernel call
 
-// Output rows per task: whole layout blocks, as many as fit kTileBytes (at least one).
+// Output rows per task: whole layout blocks, at most what fits kTileBytes (at least one
+// block), and small enough that every thread gets work: a 576-row projection on 2 threads is
+// 5 + 4 blocks, not 7 + 2.
 int64_t tile_rows(int64_t k, int64_t n) {
-  const int64_t blocks = std::max<int64_t>(1, kTileBytes / (k * 2 * kBlockN));
-  return std::min(n, blocks * kBlockN);
+  const int64_t blocks = (n + kBlockN - 1) / kBlockN;
+  const int64_t fit = std::max<int64_t>(1, kTileBytes / (k * 2 * kBlockN));
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t tasks = std::max((blocks + fit - 1) / fit, std::min(blocks, threads));
+  return std::min(n, (blocks + tasks - 1) / tasks * kBlockN);
+}
+
+// A thread's scratch buffer, kept between calls (a fresh zero-filled one per call cost more
+// than dequantizing a small projection).
+template <typename T>
+T* scratch(size_t count) {
+  static thread_local std::vector<T> buffer;
+  if (buffer.size() < count) buffer.resize(count);
+  return buffer.data();
 }
 
 inline uint16_t to_bf16_bits(float f) {  // round to nearest even, as c10::BFloat16 does
@@ -65,6 +79,11 @@ inline int64_t vnni(int64_t k, int64_t c, int64_t ld) { return ((k >> 1) * ld + 
 // tests/engine/test_quant_mm.py checks this reading against torch's own kernel.
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// 16-bit lanes [e0 .. e15, o0 .. o15] -> [e0, o0, e1, o1, ...]: two k's of 16 columns as VNNI.
+const __m512i kInterleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                             24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                             1, 16, 0);
+
 // One k of a 64-row block as four vectors of 16 floats: rows 0-15, 16-31, 32-47, 48-63.
 inline void int4_k64(const uint8_t* src, const float* scale, const float* zero, __m512 w[4]) {
   const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
@@ -95,10 +114,9 @@ void int4_block64(const uint8_t* codes, const c10::BFloat16* sz, int64_t n_total
       __m512 even[4], odd[4];
       int4_k64(codes + k * 32, scale, zero, even);
       int4_k64(codes + (k + 1) * 32, scale, zero, odd);
-      for (int i = 0; i < 4; ++i) {  // 16 columns' (k, k + 1) pairs: 16 bits each, side by side
-        const __m512i e = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(even[i])));
-        const __m512i o = _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(odd[i])));
-        _mm512_storeu_si512(dst + 32 * i, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+      for (int i = 0; i < 4; ++i) {  // 16 columns' (k, k + 1) pairs, side by side
+        const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd[i], even[i]));
+        _mm512_storeu_si512(dst + 32 * i, _mm512_permutexvar_epi16(kInterleave, both));
       }
 #else
       for (int64_t j = 0; j < 2; ++j) {
@@ -160,16 +178,15 @@ at::Tensor tiled_mm(const at::Tensor& x, int64_t n_total, const float* scale, De
   const auto* xs = x.data_ptr<c10::BFloat16>();
   uint16_t* os = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> tile(static_cast<size_t>(k * tn));
-    std::vector<float> acc(static_cast<size_t>(kBlockM * tn));
+    uint16_t* tile = scratch<uint16_t>(static_cast<size_t>(k * tn));
+    float* acc = scratch<float>(static_cast<size_t>(kBlockM * tn));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tn, rows = std::min(tn, n_total - n0);
-      dequant(n0, rows, tile.data());
+      dequant(n0, rows, tile);
       for (int64_t m0 = 0; m0 < m; m0 += kBlockM) {
         const int64_t mb = std::min(kBlockM, m - m0);
         at::native::cpublas::brgemm(mb, rows, k, k, rows, rows, false, xs + m0 * k,
-                                    reinterpret_cast<const c10::BFloat16*>(tile.data()),
-                                    acc.data(), true);
+                                    reinterpret_cast<const c10::BFloat16*>(tile), acc, true);
         for (int64_t i = 0; i < mb; ++i)
           for (int64_t j = 0; j < rows; ++j)
             os[(m0 + i) * n_total + n0 + j] =
@@ -211,48 +228,64 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_
 // ------------------------------------------------------------------------------- int8
 //
 // aten._weight_int8pack_mm's layout: codes [N, K] int8 and one scale per output row. The
-// codes are exact in bfloat16, so the tile holds them as they are and the scale multiplies
-// the result's columns (in fp32, before the one rounding to bfloat16).
+// codes are exact in bfloat16, and a row of them is contiguous, so here the product is
+// turned around: out^T = W x^T, with a tile of W's rows (row-major bf16, a plain widening)
+// as the micro-kernel's left matrix and x^T as its VNNI right one. x^T in VNNI is x's rows
+// cut into 32-bit (k, k + 1) pairs and transposed, made once per call and block of tokens.
+// The scale multiplies each fp32 sum before its one rounding to bfloat16.
 
-// Output rows [0, rows) of `codes` (row stride k) into a VNNI tile.
-void int8_tile(const int8_t* codes, int64_t k, int64_t rows, uint16_t* tile) {
-  int64_t r0 = 0;
+// Rows [0, rows) of `codes` (row stride k) as bf16, row-major.
+void int8_rows(const int8_t* codes, int64_t k, int64_t rows, uint16_t* tile) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* src = codes + r * k;
+    uint16_t* dst = tile + r * k;
+    int64_t i = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  // 16 rows at a time: a gather takes 4 codes (k .. k + 3) of each, which become the VNNI
-  // pairs (k, k + 1) and (k + 2, k + 3) of 16 columns.
-  const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
-                                                              6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(static_cast<int>(k)));
-  auto bits = [](__m512i v, int shift) {  // byte `shift / 8` from the top, as bf16 bits
-    const __m512i byte = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - shift), 24);
-    return _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_cvtepi32_ps(byte))));
-  };
-  if (k % 4 == 0 && k * 16 < (int64_t{1} << 31))
-    for (; r0 + 16 <= rows; r0 += 16)
-      for (int64_t kk = 0; kk < k; kk += 4) {
-        const __m512i v = _mm512_i32gather_epi32(offsets, codes + r0 * k + kk, 1);
-        _mm512_storeu_si512(tile + vnni(kk, r0, rows),
-                            _mm512_or_si512(bits(v, 0), _mm512_slli_epi32(bits(v, 8), 16)));
-        _mm512_storeu_si512(tile + vnni(kk + 2, r0, rows),
-                            _mm512_or_si512(bits(v, 16), _mm512_slli_epi32(bits(v, 24), 16)));
-      }
+    for (; i + 32 <= k; i += 32) {
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16))));
+      _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
 #endif
-  for (int64_t r = r0; r < rows; ++r)
-    for (int64_t kk = 0; kk < k; ++kk)
-      tile[vnni(kk, r, rows)] = to_bf16_bits(static_cast<float>(codes[r * k + kk]));
+    for (; i < k; ++i) dst[i] = to_bf16_bits(static_cast<float>(src[i]));
+  }
 }
 
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
               "int8_mm: codes must be a contiguous [N, K] int8 tensor");
-  const int64_t n = codes.size(0), k = codes.size(1);
+  const int64_t n = codes.size(0), k = codes.size(1), m = x.size(0);
   check_x(x, k, "int8_mm");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "int8_mm: scales must be [N]");
-  const at::Tensor scale = scales.to(at::kFloat).contiguous();
+  const at::Tensor scale_f = scales.to(at::kFloat).contiguous();
+  const float* scale = scale_f.data_ptr<float>();
+  std::vector<at::Tensor> xt;  // per block of kBlockM tokens: x^T as VNNI, [K / 2, block]
+  for (int64_t m0 = 0; m0 < m; m0 += kBlockM)
+    xt.push_back(x.narrow(0, m0, std::min(kBlockM, m - m0)).view(at::kInt).t().contiguous());
+  at::Tensor out = at::empty({m, n}, x.options());
+  uint16_t* os = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   const int8_t* q = codes.data_ptr<int8_t>();
-  return tiled_mm(x, n, scale.data_ptr<float>(), [&](int64_t n0, int64_t rows, uint16_t* tile) {
-    int8_tile(q + n0 * k, k, rows, tile);
+  const int64_t tn = tile_rows(k, n);
+  at::parallel_for(0, (n + tn - 1) / tn, 1, [&](int64_t begin, int64_t end) {
+    uint16_t* tile = scratch<uint16_t>(static_cast<size_t>(k * tn));
+    float* acc = scratch<float>(static_cast<size_t>(kBlockM * tn));
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * tn, rows = std::min(tn, n - n0);
+      int8_rows(q + n0 * k, k, rows, tile);
+      for (size_t b = 0; b < xt.size(); ++b) {
+        const int64_t m0 = static_cast<int64_t>(b) * kBlockM, mb = xt[b].size(1);
+        at::native::cpublas::brgemm(rows, mb, k, k, mb, mb, false,
+                                    reinterpret_cast<const c10::BFloat16*>(tile),
+                                    reinterpret_cast<const c10::BFloat16*>(xt[b].data_ptr<int32_t>()),
+                                    acc, true);
+        for (int64_t i = 0; i < mb; ++i)
+          for (int64_t r = 0; r < rows; ++r)
+            os[(m0 + i) * n + n0 + r] = to_bf16_bits(acc[r * mb + i] * scale[n0 + r]);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
   });
+  return out;
 }
 
 }  // namespace
