@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.worker.file_pages import mapped_checkpoints, release_freed, release_pages
+
 log = logging.getLogger(__name__)
 
 OP_NAME = "pagedserve::packed_linear"
@@ -89,14 +91,22 @@ def pack_linears(model: Any) -> int:
     modules included) with a PackedLinear. -> how many were replaced."""
     table = model.get_input_embeddings().weight
     replaced, copied = 0, 0
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or module.weight.dtype != torch.bfloat16:
-            continue
+    mapped = mapped_checkpoints()
+    # Names, not modules: a list of the modules would keep every replaced weight alive to the
+    # end, beside its packed copy (the peak at load, docs/memory.md).
+    names = [name for name, module in model.named_modules()
+             if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16]
+    for name in names:
+        module = model.get_submodule(name)
         if module.weight is table:  # a tied LM head: the lookup keeps the plain table
             copied += module.weight.numel() * module.weight.element_size()
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, PackedLinear(module.weight, module.bias))
+        if module.weight is not table:
+            release_pages(module.weight, mapped)  # read once, now held packed
+        del module
+        release_freed()  # the dense weight, if it was the last reference, back to the OS
         replaced += 1
     log.info("oneDNN-packed %d bf16 linears (+%.1f MB: the tied LM head's own copy)", replaced,
              copied / 2**20)

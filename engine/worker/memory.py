@@ -9,8 +9,6 @@ its embedding, or the views MoE experts make of a stack, are one tensor.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from torch import nn
 
 from engine.layers.packed_linear import PackedLinear
 from engine.layers.quantization.linear import Int4Linear, Int8Linear
+from engine.worker.file_pages import mapped_checkpoints
 
 # The kinds, in the order they are logged and served.
 WEIGHT_KINDS = ("dense_weights", "packed_weights", "quantized_weights", "dense_copies")
@@ -46,22 +45,6 @@ def _status_bytes(field: str) -> int:
     return 0
 
 
-def release_freed() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim). Loading frees a lot
-    the allocator keeps: the dense weights that packing or quantizing replaced, the reader's
-    buffers. Measured on SmolLM2-135M bf16 ready to serve: 1359 -> 1023 MiB resident, int4
-    1480 -> 1114 MiB. A no-op where the C library has no malloc_trim."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
-
-
-CHECKPOINT_SUFFIXES = (".safetensors", ".gguf")
-
-
 def detach_from_files(model: nn.Module) -> int:
     """Copy into anonymous memory the tensors still backed by a memory-mapped checkpoint
     file, when they are a small part of the mapping, so it can be unmapped. -> bytes copied.
@@ -72,7 +55,7 @@ def detach_from_files(model: nn.Module) -> int:
     a random Llama-3.2-1B in bf16, packed, was 4.9 GB resident, 2.3 GB of it the file; with
     its 192 MB of embedding copied out, 3.0 GB. Where the file's tensors are most of the
     mapping (a dense model used as loaded), they are the weights: kept as they are."""
-    ranges = _mapped_checkpoints()
+    ranges = mapped_checkpoints()
     if not ranges:
         return 0
     by_storage: dict[int, list[torch.Tensor]] = {}
@@ -93,21 +76,6 @@ def detach_from_files(model: nn.Module) -> int:
             t.data = torch.empty(0, dtype=t.dtype).set_(copy, t.storage_offset(), t.size(),
                                                          t.stride())
     return held
-
-
-def _mapped_checkpoints() -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of checkpoint files (/proc/self/maps)."""
-    ranges = []
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].strip().endswith(CHECKPOINT_SUFFIXES):
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            ranges.append((start, end))
-    return ranges
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:

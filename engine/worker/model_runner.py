@@ -32,6 +32,7 @@ from engine.worker import huge_pages, memory
 from engine.worker.cache_paths import cache_root
 from engine.worker.compile import CompiledForward, use_cache_dir, wants_compile
 from engine.worker.families import layer_windows
+from engine.worker.file_pages import release_freed
 from engine.worker.loader import load_model
 from engine.worker.runner_output import RequestFault, RunnerOutput
 from engine.worker.step_tensors import to_device
@@ -126,13 +127,13 @@ class ModelRunner:
         self.kv_cache = self._new_pool(self.num_kv_blocks)
         self.sampling = SamplingBatchBuilder(self.vocab_size, self.eos_token_ids,
                                              seed=self.config.seed)
-        memory.release_freed()  # what loading freed, back to the OS: the steady RSS drops
+        release_freed()  # what loading freed, back to the OS: the steady RSS drops
         before_warm_up = memory.resident_bytes()
         self._warm_up()
         log.info("model %s on %s (%s): %d KV blocks of %d tokens; decode attention: %s",
                  self.model_display_name, self.device, self.dtype, self.num_kv_blocks,
                  self.block_size, "C++ kernel" if self.paged_decode_kernel else "torch")
-        memory.release_freed()  # and what the warm-up steps freed
+        release_freed()  # and what the warm-up steps freed
         self.memory = memory.account(self.model, self.kv_cache, before_warm_up)
         log.info("memory: %s", self.memory.describe())
 

@@ -66,6 +66,18 @@ class Int8Weight:
         return Int8Weight(self.codes[order], self.scale[order])
 
 
+# Rows quantized at once: the fp32 temporaries of a chunk stay small (~4M values, 16 MB
+# each) whatever the weight, so quantizing a 49152 x 2048 head at load does not add
+# gigabytes to the peak (docs/memory.md). Every row is quantized on its own, so chunks
+# change nothing in the result.
+CHUNK_VALUES = 1 << 22
+
+
+def _row_chunks(weight: torch.Tensor) -> list[torch.Tensor]:
+    rows = max(1, CHUNK_VALUES // max(1, weight.shape[1]))
+    return list(weight.detach().split(rows))
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
     """Asymmetric min/max groupwise 4-bit: each group's range maps onto the 16 codes."""
     if group_size not in INT4_GROUP_SIZES:
@@ -73,16 +85,34 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
-    w = weight.detach().float().reshape(n, k // group_size, group_size)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((hi - lo) / 15.0).clamp(min=1e-8)  # a constant group still gets a usable scale
-    codes = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
-    return Int4Weight(codes.reshape(n, k), scale, lo + 8.0 * scale, group_size)
+    codes = torch.empty(n, k, dtype=torch.int32)
+    scale = torch.empty(n, k // group_size)
+    zero = torch.empty(n, k // group_size)
+    row = 0
+    for chunk in _row_chunks(weight):
+        rows = chunk.shape[0]
+        w = chunk.float().reshape(rows, k // group_size, group_size)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        s = ((hi - lo) / 15.0).clamp(min=1e-8)  # a constant group still gets a usable scale
+        q = ((w - lo[..., None]) / s[..., None]).round().clamp(0, 15)
+        codes[row:row + rows] = q.reshape(rows, k)
+        scale[row:row + rows], zero[row:row + rows] = s, lo + 8.0 * s
+        row += rows
+    return Int4Weight(codes.to(weight.device), scale.to(weight.device), zero.to(weight.device),
+                      group_size)
 
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Symmetric per-row 8-bit: scale = max |w| / 127, so zero stays exactly zero."""
-    w = weight.detach().float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-    codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return Int8Weight(codes, scale)
+    n, k = weight.shape
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n)
+    row = 0
+    for chunk in _row_chunks(weight):
+        rows = chunk.shape[0]
+        w = chunk.float()
+        s = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        codes[row:row + rows] = (w / s[:, None]).round().clamp(-127, 127)
+        scale[row:row + rows] = s
+        row += rows
+    return Int8Weight(codes.to(weight.device), scale.to(weight.device))

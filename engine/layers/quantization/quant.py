@@ -35,6 +35,7 @@ from torch import nn
 from engine.layers.quantization import many_rows
 from engine.layers.quantization.linear import KERNEL_DTYPE, Int4Linear, Int8Linear
 from engine.layers.quantization.pack import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from engine.worker.file_pages import mapped_checkpoints, release_freed, release_pages
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,11 @@ def quantize_model(model: Any, mode: str, gguf: Path | None,
     head = model.get_output_embeddings()
     tied_to = model.get_input_embeddings().weight if head.weight is model.get_input_embeddings().weight else None
     replaced, extra = 0, 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
-            continue
+    mapped = mapped_checkpoints()
+    # Names, not modules: a list of the modules would keep every replaced dense weight alive
+    # to the end (the peak at load, docs/memory.md).
+    for name in [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]:
+        module = model.get_submodule(name)
         is_head = module is head
         key = "model.embed_tokens.weight" if is_head and tied_to is not None else f"{name}.weight"
         weight = _choose(mode, native.get(key) or native.get(f"{name}.weight"), module.weight,
@@ -87,8 +90,15 @@ def quantize_model(model: Any, mode: str, gguf: Path | None,
             continue
         new = _module(weight, module, dense_above)
         _set_module(model, name, new)
+        if dense_above is None and module.weight is not tied_to:
+            release_pages(module.weight, mapped)  # read once, now held as `weight`
         replaced += 1
         extra += sum(b.numel() * b.element_size() for b in new.buffers())
+        # The replaced weight and the quantizer's temporaries, freed into the heap, go back
+        # to the OS module by module: left there, the next module's larger ones stacked up
+        # beside them and the peak at load varied from run to run by over 1 GB (int8, 1B).
+        del module, weight, new
+        release_freed()
     kept = "one copy: no dense weights beside them" if dense_above is None else \
         f"dense copies kept for steps above {dense_above} rows"
     computes = str(KERNEL_DTYPE).removeprefix("torch.")
