@@ -7,6 +7,11 @@ does (a ModelRunner, then its warm-up steps), eager unless --compile.
 
     python -m benchmarks.bench_memory                       # the embedded SmolLM2-135M
     python -m benchmarks.bench_memory --shape llama-1b      # a random Llama-3.2-1B-shaped one
+    python -m benchmarks.bench_memory --shape llama-8b --quantization int4 --generate 32
+
+--generate N also serves one greedy request of N tokens (c=1, a 100-token prompt) once
+ready and reports its inter-token latency (median step time of its decode steps) and the
+resident set after it.
 
 Saves JSON (and a PNG of the account) under benchmarks/results/.
 """
@@ -26,10 +31,13 @@ from benchmarks.common import RESULTS_DIR, machine_info, machine_slug
 MiB = 2**20
 
 
-def measure(model: str, quantization: str, dtype: str, kv_bytes: int, compile: bool) -> dict:
-    """One mode in a child process: its memory account and load time."""
+def measure(model: str, quantization: str, dtype: str, kv_bytes: int, compile: bool,
+            generate: int = 0) -> dict:
+    """One mode in a child process: its memory account and load time (and, with `generate`,
+    one request's ITL)."""
     cmd = [sys.executable, "-m", "benchmarks.bench_memory", "--child", "--model", model,
-           "--quantization", quantization, "--dtype", dtype, "--kv-cache-memory", str(kv_bytes)]
+           "--quantization", quantization, "--dtype", dtype, "--kv-cache-memory", str(kv_bytes),
+           "--generate", str(generate)]
     if compile:
         cmd.append("--compile")
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -38,18 +46,42 @@ def measure(model: str, quantization: str, dtype: str, kv_bytes: int, compile: b
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def child(model: str, quantization: str, dtype: str, kv_bytes: int, compile: bool) -> None:
+def child(model: str, quantization: str, dtype: str, kv_bytes: int, compile: bool,
+          generate: int = 0) -> None:
     from engine.config import EngineConfig
-    from engine.worker.model_runner import ModelRunner
+    from engine.core.llm_engine import LLMEngine
+    from engine.worker.memory import resident_bytes
 
     config = EngineConfig(model=model, dtype=dtype, quantization=quantization,
                           kv_cache_memory=kv_bytes, enforce_eager=not compile)
     t0 = time.perf_counter()
-    runner = ModelRunner(config)
-    runner.load()
-    account = dict(runner.memory.items())
-    print(json.dumps({"quantization": quantization, "load_s": time.perf_counter() - t0,
-                      **account}))
+    engine = LLMEngine(config)
+    engine.load()
+    account = dict(engine.runner.memory.items())
+    row: dict[str, Any] = {"quantization": quantization, "load_s": time.perf_counter() - t0,
+                           **account}
+    if generate:
+        row |= serve_one(engine, generate) | {"resident_after_request": resident_bytes()}
+    print(json.dumps(row))
+
+
+def serve_one(engine: Any, tokens: int) -> dict[str, float]:
+    """One greedy request of `tokens` tokens alone (c=1): its decode steps' median time."""
+    import statistics
+
+    from scheduler.sampling_params import SamplingParams
+
+    prompt = list(range(1000, 1100))  # 100 tokens of the model's vocabulary
+    engine.add_request("one", prompt, SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                     ignore_eos=True))
+    times, t0 = [], time.perf_counter()
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    decode = times[1:]  # the first step is the prompt's
+    return {"ttft_s": times[0], "itl_ms_p50": statistics.median(decode) * 1e3,
+            "generated": tokens, "request_s": time.perf_counter() - t0}
 
 
 def table(rows: list[dict]) -> str:
@@ -98,10 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-cache-memory", type=int, default=256 * MiB, help="KV pool bytes")
     p.add_argument("--compile", action="store_true", help="compile the step (minutes)")
+    p.add_argument("--generate", type=int, default=0,
+                   help="also serve one greedy request of this many tokens and time it")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.model, args.quantization[0], args.dtype, args.kv_cache_memory, args.compile)
+        child(args.model, args.quantization[0], args.dtype, args.kv_cache_memory, args.compile,
+              args.generate)
         return
     model = args.model
     if args.shape:
@@ -115,8 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for mode in args.quantization:
         print(f"loading {model} with --quantization {mode} ...", flush=True)
-        rows.append(measure(model, mode, args.dtype, args.kv_cache_memory, args.compile))
+        rows.append(measure(model, mode, args.dtype, args.kv_cache_memory, args.compile,
+                            args.generate))
     print(table(rows))
+    for r in rows:
+        if "itl_ms_p50" in r:
+            print(f"{r['quantization']}: one request of {r['generated']} tokens: TTFT "
+                  f"{r['ttft_s'] * 1e3:.0f} ms, ITL p50 {r['itl_ms_p50']:.1f} ms, resident "
+                  f"after it {r['resident_after_request'] / MiB:.0f} MiB")
     info = machine_info()
     label = args.shape or (Path(args.model).name if args.model else "smollm2-135m")
     name = f"memory-{label}-{machine_slug(info)}"

@@ -62,7 +62,7 @@ def _build(shape: str, folder: Path) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_folder())
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, torch_dtype="bfloat16", **SHAPES[shape])
+        eos_token_id=tokenizer.eos_token_id, dtype="bfloat16", **SHAPES[shape])
     log.info("building a random %s checkpoint in %s", shape, folder)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
