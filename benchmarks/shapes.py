@@ -101,5 +101,6 @@ def _build(shape: str, folder: Path) -> None:
         weight_map.update(dict.fromkeys(keys, final))
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    config.architectures = ["LlamaForCausalLM"]  # what save_pretrained writes; converters read it
     config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
