@@ -64,8 +64,9 @@ class EngineConfig:
     quantization: str = option(
         "auto", "weights: auto (in bfloat16 a GGUF keeps its Q4/Q8 weights; safetensors, or "
         "any other dtype, stays dense) | none (dense) | int8 | int4 (quantized at load; the "
-        "kernels compute in bfloat16); steps of more than 8 token rows use the dense weights; "
-        "see docs/quantization.md", choices=QUANTIZATIONS)
+        "kernels compute in bfloat16); one copy of each weight: steps of more than 8 token rows "
+        "use our many-row kernel (dense copies only where it cannot build); see "
+        "docs/quantization.md", choices=QUANTIZATIONS)
     attention_backend: str = option(
         "auto", "decode attention on the CPU: auto (our C++ paged-decode kernel, built with g++ "
         "on first start and cached; the torch path if it cannot be built) | torch (gather the "
