@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -98,12 +99,13 @@ def gguf(folder: Path, kind: str) -> Path:
     return target
 
 
-def serve_one(model: Path, tokens: int, prompt_tokens: int = 100, threads: int = 2,
-              port: int = 8093) -> dict[str, Any]:
+def serve_one(model: Path, tokens: int, prompt_tokens: int = 100,
+              threads: int = 2) -> dict[str, Any]:
     """Start llama-server on `model`, send one greedy request of `tokens` tokens (c=1, a
     prompt of `prompt_tokens` token ids), and report its timings and the server's memory
     (resident anonymous and file pages: llama.cpp maps its model file, so the file's pages
     are its weights)."""
+    port = _free_port()
     proc = subprocess.Popen([str(binary("llama-server")), "-m", str(model), "-t", str(threads),
                              "-c", "2048", "-np", "1", "-fa", "on", "--host", "127.0.0.1",
                              "--port", str(port)], stdout=subprocess.DEVNULL,
@@ -123,7 +125,17 @@ def serve_one(model: Path, tokens: int, prompt_tokens: int = 100, threads: int =
                 "note": "llama.cpp's own timings: mean ms per generated token"}
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:

@@ -8,9 +8,12 @@ MADV_DONTNEED) drops them from it right away, module by module, where otherwise 
 checkpoint would be resident by the end of the load: a random Llama-3.2-1B quantized to
 int4 peaked at 4.6 GB for 1.6 GB steady (docs/memory.md).
 
-This is safe for any tensor in a file mapping: a private, unwritten file page is read back
-from the file if it is touched again. Tensors elsewhere (anonymous memory) are left alone,
-since there MADV_DONTNEED would zero them.
+This is safe for the unwritten pages of a file mapping: a page touched again is read back
+from the file. It is not for a page written in place: safetensors maps files private and
+writable, a write makes the page a private copy, and MADV_DONTNEED would throw the write
+away. So a range is released only if /proc/self/pagemap says every resident page of it is
+still the file's own. Tensors elsewhere (anonymous memory) are left alone, since there
+MADV_DONTNEED would zero them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import functools
 import mmap
 from pathlib import Path
 
+import numpy as np
 import torch
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".gguf")
@@ -61,11 +65,35 @@ def release_pages(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
     page = mmap.PAGESIZE
     first = -(-start // page) * page  # whole pages only: a neighbour's may still be in use
     last = min(start + nbytes, mapping[1]) // page * page
-    if last <= first:
+    if last <= first or not _unwritten(first, last):
         return 0
     if madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED) != 0:
         return 0
     return last - first
+
+
+# /proc/<pid>/pagemap flags (the kernel's Documentation/admin-guide/mm/pagemap.rst)
+PRESENT, SWAPPED, FILE_PAGE = 1 << 63, 1 << 62, 1 << 61
+
+
+def _unwritten(first: int, last: int) -> bool:
+    """Whether every resident page of [first, last) is the file's page, not a private copy
+    a write made; False if pagemap cannot be read (then nothing is released)."""
+    page = mmap.PAGESIZE
+    count = (last - first) // page
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first // page * 8)
+            raw = f.read(count * 8)
+    except OSError:
+        return False
+    if len(raw) != count * 8:
+        return False
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    if np.any((entries & np.uint64(SWAPPED)) != 0):  # only a private copy is ever swapped
+        return False
+    present = (entries & np.uint64(PRESENT)) != 0
+    return bool(np.all((entries[present] & np.uint64(FILE_PAGE)) != 0))
 
 
 @functools.cache
@@ -85,9 +113,15 @@ def release_freed() -> None:
     the allocator keeps: the dense weights that packing or quantizing replaced, the reader's
     buffers. Measured on SmolLM2-135M bf16 ready to serve: 1359 -> 1023 MiB resident, int4
     1480 -> 1114 MiB. A no-op where the C library has no malloc_trim."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """Looked up once: find_library runs ldconfig (~3 ms), and the loader trims per module."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return
-    trim(0)
+        return None

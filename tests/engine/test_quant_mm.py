@@ -92,7 +92,7 @@ def test_modules_take_the_many_row_kernel_above_the_threshold(cls: str) -> None:
     torch.manual_seed(6)
     w = torch.randn(64, 64) * 0.1
     module = Int4Linear(quantize_int4(w, 32)) if cls == "int4" else Int8Linear(quantize_int8(w))
-    assert module.use_many_rows and module.dense is None
+    assert module.use_many_rows
     at, above = many_rows.MANY_ROWS_ABOVE, many_rows.MANY_ROWS_ABOVE + 1
     with torch.inference_mode():
         for rows, kernel in ((at, module._kernel), (above, module._many_rows_kernel)):
@@ -110,3 +110,39 @@ def test_the_compiled_step_traces_the_many_row_kernel() -> None:
         for rows in (1, 16):
             x = torch.randn(rows, 64, dtype=BF16)
             assert torch.equal(compiled(x), module(x))
+
+
+def test_shapes_it_cannot_take_are_refused_with_an_error() -> None:
+    """An empty weight or an odd K (the micro-kernel reads bf16 pairs) is a RuntimeError
+    naming the op, not a crash of the process (an empty weight divided by zero once)."""
+    x = torch.randn(12, 64, dtype=BF16)
+    with pytest.raises(RuntimeError, match="int8_mm: the weight must have rows"):
+        many_rows.int8_mm(x, torch.zeros(0, 64, dtype=torch.int8), torch.ones(0, dtype=BF16))
+    odd = torch.randn(12, 33, dtype=BF16)
+    with pytest.raises(RuntimeError, match="int8_mm: the weight must have rows"):
+        many_rows.int8_mm(odd, torch.ones(16, 33, dtype=torch.int8), torch.ones(16, dtype=BF16))
+
+
+def test_a_linear_of_odd_width_stays_dense() -> None:
+    """torch's int8 kernel crashes the process on an odd K, ours refuses it: such a linear
+    is left dense by quantize_model, in both modes."""
+    from torch import nn
+
+    from engine.layers.quantization.quant import quantize_model
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 33)
+            self.proj = nn.Linear(33, 16)
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.proj
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.embed
+
+    for mode in ("int8", "int4"):
+        model = Tiny()
+        assert quantize_model(model, mode, None) == 0
+        assert type(model.proj) is nn.Linear

@@ -15,11 +15,14 @@ quantized modules keep a dense copy for large steps instead (engine/layers/quant
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import torch
 
 from engine.attention.cpu_kernels import load_library
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_mm.cpp"
 # Above this many token rows a quantized linear takes our kernel, at or below it torch's:
@@ -32,8 +35,12 @@ def available() -> bool:
     """Whether the library built and this CPU has its bf16 micro-kernel."""
     if load_library(SOURCE, "many-row quantized matmul", "dense copies for large steps") is None:
         return False
-    _register_fakes()
-    return bool(torch.ops.pagedserve_quant.available())
+    try:
+        _register_fakes()
+        return bool(torch.ops.pagedserve_quant.available())
+    except (RuntimeError, AttributeError) as exc:  # a torch without these APIs: the fallback
+        log.warning("many-row quantized matmul unusable, keeping dense copies: %s", exc)
+        return False
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int,

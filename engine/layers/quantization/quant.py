@@ -129,6 +129,9 @@ def _choose(mode: str, native: Int4Weight | Int8Weight | None, dense: torch.Tens
             is_head: bool) -> Int4Weight | Int8Weight | None:
     if mode == "auto":
         return native
+    if dense.shape[1] % 2:  # torch's int8 kernel crashed the process on an odd K (4 rows)
+        log.warning("%s: %s has an odd in_features: kept dense", mode, tuple(dense.shape))
+        return None
     if mode == "int8" or is_head:
         return native if isinstance(native, Int8Weight) else quantize_int8(dense)
     if isinstance(native, Int4Weight):

@@ -167,6 +167,11 @@ void int4_tile(const uint8_t* packed, const c10::BFloat16* sz, int64_t n_total, 
 
 // ------------------------------------------------------------------------------- shared
 
+// Hands the thread's AMX tile state back when a task ends, also when brgemm throws.
+struct BrgemmRelease {
+  ~BrgemmRelease() { at::native::cpublas::brgemm_release(true); }
+};
+
 // Dequantize-and-multiply: `dequant(n0, rows, tile)` fills a VNNI tile of output rows
 // [n0, n0 + rows); `scale` (or nullptr) multiplies each output column afterwards.
 template <typename Dequant>
@@ -178,6 +183,7 @@ at::Tensor tiled_mm(const at::Tensor& x, int64_t n_total, const float* scale, De
   const auto* xs = x.data_ptr<c10::BFloat16>();
   uint16_t* os = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const BrgemmRelease release;
     uint16_t* tile = scratch<uint16_t>(static_cast<size_t>(k * tn));
     float* acc = scratch<float>(static_cast<size_t>(kBlockM * tn));
     for (int64_t t = begin; t < end; ++t) {
@@ -193,15 +199,17 @@ at::Tensor tiled_mm(const at::Tensor& x, int64_t n_total, const float* scale, De
                 to_bf16_bits(scale ? acc[i * rows + j] * scale[n0 + j] : acc[i * rows + j]);
       }
     }
-    at::native::cpublas::brgemm_release(true);
   });
   return out;
 }
 
-void check_x(const at::Tensor& x, int64_t k, const char* op) {
+void check_x(const at::Tensor& x, int64_t n, int64_t k, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), op,
               ": x must be a contiguous 2-d bfloat16 tensor");
-  TORCH_CHECK(x.size(1) == k && k % 2 == 0, op, ": x has ", x.size(1), " columns, the weight ", k);
+  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " columns, the weight ", k);
+  TORCH_CHECK(n > 0 && k > 0 && k % 2 == 0, op, ": the weight must have rows and an even, ",
+              "nonzero number of columns (the bf16 pairs of the micro-kernel), not [", n, ", ",
+              k, "]");
 }
 
 bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }
@@ -211,7 +219,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "int4_mm: packed must be torch's contiguous [N, K / 2] uint8 int4 layout");
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
-  check_x(x, k, "int4_mm");
+  check_x(x, n, k, "int4_mm");
   TORCH_CHECK(n % 16 == 0 && group_size > 0 && group_size % 2 == 0 && k % group_size == 0,
               "int4_mm: bad shape");
   TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 && scales_and_zeros.is_contiguous() &&
@@ -255,7 +263,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
               "int8_mm: codes must be a contiguous [N, K] int8 tensor");
   const int64_t n = codes.size(0), k = codes.size(1), m = x.size(0);
-  check_x(x, k, "int8_mm");
+  check_x(x, n, k, "int8_mm");
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "int8_mm: scales must be [N]");
   const at::Tensor scale_f = scales.to(at::kFloat).contiguous();
   const float* scale = scale_f.data_ptr<float>();
@@ -267,6 +275,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const int8_t* q = codes.data_ptr<int8_t>();
   const int64_t tn = tile_rows(k, n);
   at::parallel_for(0, (n + tn - 1) / tn, 1, [&](int64_t begin, int64_t end) {
+    const BrgemmRelease release;
     uint16_t* tile = scratch<uint16_t>(static_cast<size_t>(k * tn));
     float* acc = scratch<float>(static_cast<size_t>(kBlockM * tn));
     for (int64_t t = begin; t < end; ++t) {
@@ -283,7 +292,6 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
             os[(m0 + i) * n + n0 + r] = to_bf16_bits(acc[r * mb + i] * scale[n0 + r]);
       }
     }
-    at::native::cpublas::brgemm_release(true);
   });
   return out;
 }
