@@ -20,11 +20,9 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -105,52 +103,25 @@ def serve_one(model: Path, tokens: int, prompt_tokens: int = 100,
     prompt of `prompt_tokens` token ids), and report its timings and the server's memory
     (resident anonymous and file pages: llama.cpp maps its model file, so the file's pages
     are its weights)."""
-    port = _free_port()
-    proc = subprocess.Popen([str(binary("llama-server")), "-m", str(model), "-t", str(threads),
-                             "-c", "2048", "-np", "1", "-fa", "on", "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_ready(base, proc)
-        ready = _memory(proc.pid)
+    from benchmarks.common import ServerProcess
+
+    def command(port: int) -> list[str]:
+        return [str(binary("llama-server")), "-m", str(model), "-t", str(threads), "-c", "2048",
+                "-np", "1", "-fa", "on", "--host", "127.0.0.1", "--port", str(port)]
+
+    with ServerProcess("llama-server", command) as server:
+        server.wait_healthy(900)
+        ready = _memory(server.pid)
         body = {"prompt": list(range(1000, 1000 + prompt_tokens)), "n_predict": tokens,
                 "temperature": 0.0, "ignore_eos": True, "cache_prompt": False}
-        request = urllib.request.Request(f"{base}/completion", data=json.dumps(body).encode(),
+        request = urllib.request.Request(f"{server.base_url}/completion",
+                                         data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=3600) as response:
             timings = json.loads(response.read())["timings"]
         return {"itl_ms_p50_like": timings["predicted_per_token_ms"],
-                "ttft_ms": timings["prompt_ms"], "ready": ready, "after": _memory(proc.pid),
+                "ttft_ms": timings["prompt_ms"], "ready": ready, "after": _memory(server.pid),
                 "note": "llama.cpp's own timings: mean ms per generated token"}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("llama-server did not become ready")
 
 
 def _memory(pid: int) -> dict[str, int]:

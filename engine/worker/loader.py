@@ -182,7 +182,6 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     from engine.layers.moe import drop_stacked_weights, use_grouped_experts
     from engine.layers.packed_linear import pack_linears, packing_applies
     from engine.layers.quantization.quant import quantize_model, resolve_mode
-    from engine.worker.file_pages import release_freed
     from engine.worker.memory import detach_from_files
 
     source, name = resolve_source(model)
@@ -197,16 +196,13 @@ def load_model(model: str | None, device: str = "auto", dtype: str = "auto",
     hf_model = hf_model.to(dev).eval()
     facts = model_facts(hf_model, tokenizer, name)  # before quantizing: it reads lm_head.weight
     use_grouped_experts(hf_model)  # MoE experts as per-expert linears: quantized, packed below
+    # Each pass hands the heap it frees back to the OS as it goes (the peak at load,
+    # docs/memory.md).
     quantize_model(hf_model, mode, source if source.is_file() else None)
-    # Each step replaces weights with new tensors; handing the freed heap back between them
-    # keeps the next step's allocations from stacking on top (peak at load, docs/memory.md).
-    release_freed()
     if fusion_applies(dt, mode != "none", batch_invariant):  # before packing: it packs the result
         fuse_projections(hf_model)
-        release_freed()
     if packing_applies(dev, dt, batch_invariant):
         pack_linears(hf_model)
-        release_freed()
     drop_stacked_weights(hf_model)  # the stacked expert weights, once no linear views them
     copied = detach_from_files(hf_model)  # the file's mapping goes once nothing points in
     if copied:

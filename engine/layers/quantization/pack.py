@@ -73,9 +73,11 @@ class Int8Weight:
 CHUNK_VALUES = 1 << 22
 
 
-def _row_chunks(weight: torch.Tensor) -> list[torch.Tensor]:
-    rows = max(1, CHUNK_VALUES // max(1, weight.shape[1]))
-    return list(weight.detach().split(rows))
+def _row_chunks(weight: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+    """(where in the output, rows) for each chunk of the weight's rows."""
+    step = max(1, CHUNK_VALUES // max(1, weight.shape[1]))
+    return [(slice(i, i + step), weight[i:i + step].detach())
+            for i in range(0, weight.shape[0], step)]
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
@@ -88,16 +90,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
     codes = torch.empty(n, k, dtype=torch.int32)
     scale = torch.empty(n, k // group_size)
     zero = torch.empty(n, k // group_size)
-    row = 0
-    for chunk in _row_chunks(weight):
-        rows = chunk.shape[0]
-        w = chunk.float().reshape(rows, k // group_size, group_size)
+    for rows, chunk in _row_chunks(weight):
+        w = chunk.float().reshape(chunk.shape[0], k // group_size, group_size)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         s = ((hi - lo) / 15.0).clamp(min=1e-8)  # a constant group still gets a usable scale
         q = ((w - lo[..., None]) / s[..., None]).round().clamp(0, 15)
-        codes[row:row + rows] = q.reshape(rows, k)
-        scale[row:row + rows], zero[row:row + rows] = s, lo + 8.0 * s
-        row += rows
+        codes[rows] = q.reshape(chunk.shape[0], k)
+        scale[rows], zero[rows] = s, lo + 8.0 * s
     return Int4Weight(codes.to(weight.device), scale.to(weight.device), zero.to(weight.device),
                       group_size)
 
@@ -107,12 +106,9 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     n, k = weight.shape
     codes = torch.empty(n, k, dtype=torch.int8)
     scale = torch.empty(n)
-    row = 0
-    for chunk in _row_chunks(weight):
-        rows = chunk.shape[0]
+    for rows, chunk in _row_chunks(weight):
         w = chunk.float()
         s = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        codes[row:row + rows] = (w / s[:, None]).round().clamp(-127, 127)
-        scale[row:row + rows] = s
-        row += rows
+        codes[rows] = (w / s[:, None]).round().clamp(-127, 127)
+        scale[rows] = s
     return Int8Weight(codes.to(weight.device), scale.to(weight.device))
