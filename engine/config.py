@@ -22,6 +22,7 @@ ATTENTION_BACKENDS = ("auto", "torch")  # engine/attention/cpu_kernels.py
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: engine/attention/kv_int8.py
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,11 @@ class EngineConfig:
     kv_cache_memory: int | None = option(
         None, "KV pool size in bytes, e.g. 2GiB", kind=str,
         default_text="1 GiB on the CPU, from --gpu-memory-utilization on CUDA")
+    kv_cache_dtype: str = option(
+        "auto", "what the KV pool stores: auto (the model's dtype) | int8 (per token and head: "
+        "int8 codes and a float16 scale, 66 bytes a row at head dim 64 against 128 in bfloat16, "
+        "so the same --kv-cache-memory holds 1.9x the tokens; attention reads it dequantized; "
+        "see docs/memory.md)", choices=KV_CACHE_DTYPES)
     gpu_memory_utilization: float = option(
         0.9, "CUDA: fraction of GPU memory the engine may use")
     num_threads: int | None = option(None, "torch CPU threads", kind=int,
@@ -85,6 +91,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError("quantization must be auto, none, int8 or int4")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}")
         if self.batch_invariant and self.scheduler.speculative_config:

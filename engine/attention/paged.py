@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.attention import kv_int8
 from engine.attention.invariant import tiled_prefill_attention
 from engine.attention.scores import FULL, ScoreRule, cap_scores, softmax
 from engine.worker.step_tensors import to_device
@@ -75,7 +76,8 @@ class DecodeGroup:
 @dataclass(frozen=True, slots=True, eq=False)
 class AttentionMetadata:
     # [layers, 2, num_blocks, kv_heads, block_size, head_dim]; None only in the profiling run,
-    # which is a single c == 0 prefill that reads nothing from the pool. Head-major blocks:
+    # which is a single c == 0 prefill that reads nothing from the pool. An int8 pool's rows
+    # are head_dim + 2 wide (codes, then a float16 scale: engine/attention/kv_int8.py). Head-major blocks:
     # one gather then yields each (sequence, kv head)'s context as contiguous [ctx, hd] rows,
     # which bmm reads without a transposing copy (that copy cost more than the attention).
     kv_cache: torch.Tensor | None
@@ -162,11 +164,14 @@ def _kernel_tables(decodes: list[tuple[list[int], int]],
 
 
 def _block_gather_bytes(kv_cache: torch.Tensor | None) -> int:
-    """Bytes one block of one sequence adds to a decode gather: its K and V, every kv head."""
+    """Bytes one block of one sequence adds to a decode gather: its K and V, every kv head
+    (an int8 pool's gathered rows, and their dequantized float32 copy)."""
     if kv_cache is None:
         return 1
-    _, _, _, kv_heads, block_size, head_dim = kv_cache.shape
-    return 2 * kv_heads * block_size * head_dim * kv_cache.element_size()
+    _, _, _, kv_heads, block_size, width = kv_cache.shape
+    row = (width + 4 * kv_int8.head_dim_of(kv_cache) if kv_int8.is_int8(kv_cache)
+           else width * kv_cache.element_size())
+    return 2 * kv_heads * block_size * row
 
 
 def split_decodes(num_blocks: list[int], block_bytes: int, budget: int,
@@ -331,8 +336,8 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if meta.batch_invariant:
             # Its context from the pool, whatever part of it this step computed.
             assert k_pool is not None and v_pool is not None and chunk.rows is not None
-            k_ctx = gather_context(k_pool, chunk.rows, 1)[0]  # [kvH, nb * bs, hd]
-            v_ctx = gather_context(v_pool, chunk.rows, 1)[0]
+            k_ctx = gather_context(k_pool, chunk.rows, 1, q.dtype)[0]  # [kvH, nb * bs, hd]
+            v_ctx = gather_context(v_pool, chunk.rows, 1, q.dtype)[0]
             part = tiled_prefill_attention(q[:, chunk.start:chunk.start + chunk.num_tokens],
                                            k_ctx, v_ctx, chunk.num_computed, meta.block_size,
                                            scale, rule)
@@ -344,17 +349,21 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     # k, v: [kvH, T, hd]; pool[block, :, offset] is [kvH, hd]; the indexed dims go first: [T, ...]
+    if kv_int8.is_int8(k_pool):
+        k, v = kv_int8.quantize(k), kv_int8.quantize(v)  # [kvH, T, hd + 2]
     index = (meta.write_blocks, slice(None), meta.write_offsets)
     k_pool[index] = k.transpose(0, 1)
     v_pool[index] = v.transpose(0, 1)
 
 
-def gather_context(pool: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
-    """pool [blocks, kvH, bs, hd], rows from pool_rows -> [batch, kvH, nb * bs, hd], one
-    contiguous copy."""
-    num_blocks, kv_heads, block_size, head_dim = pool.shape
-    flat = pool.view(num_blocks * kv_heads, block_size * head_dim)
-    return flat.index_select(0, rows).view(batch, kv_heads, -1, head_dim)
+def gather_context(pool: torch.Tensor, rows: torch.Tensor, batch: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """pool [blocks, kvH, bs, hd], rows from pool_rows -> [batch, kvH, nb * bs, hd] in
+    `dtype`, one contiguous copy (an int8 pool's rows are dequantized from it)."""
+    num_blocks, kv_heads, block_size, width = pool.shape
+    flat = pool.view(num_blocks * kv_heads, block_size * width)
+    context = flat.index_select(0, rows).view(batch, kv_heads, -1, width)
+    return kv_int8.dequantize(context, dtype) if kv_int8.is_int8(pool) else context
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -368,8 +377,8 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     heads, d, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     ctx = group.mask.shape[1]
-    k = gather_context(k_pool, group.rows, d).view(d * kv_heads, ctx, head_dim)
-    v = gather_context(v_pool, group.rows, d).view(d * kv_heads, ctx, head_dim)
+    k = gather_context(k_pool, group.rows, d, q.dtype).view(d * kv_heads, ctx, head_dim)
+    v = gather_context(v_pool, group.rows, d, q.dtype).view(d * kv_heads, ctx, head_dim)
     qg = q.transpose(0, 1).reshape(d * kv_heads, heads // kv_heads, head_dim)  # q head h: kv h // G
     scores = torch.bmm(qg, k.transpose(1, 2)).view(d, kv_heads, -1, ctx).float() * scale
     if rule.softcap:
@@ -396,8 +405,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask = windowed(mask, 0, window) if window and n > window else mask
     else:
         assert k_pool is not None and v_pool is not None and chunk.mask is not None
-        ks = gather_context(k_pool, chunk.rows, 1)[:, :, :c + n]  # [1, kvH, c + n, hd]
-        vs = gather_context(v_pool, chunk.rows, 1)[:, :, :c + n]
+        ks = gather_context(k_pool, chunk.rows, 1, q.dtype)[:, :, :c + n]  # [1, kvH, c + n, hd]
+        vs = gather_context(v_pool, chunk.rows, 1, q.dtype)[:, :, :c + n]
         mask = windowed(chunk.mask, c, window) if window and c + n > window else chunk.mask
     if not rule.plain:
         assert mask is not None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import cpu_kernels
+from engine.attention import cpu_kernels, kv_int8
 from engine.attention import paged as attention
 from engine.attention.paged import AttentionMetadata, build_metadata
 from engine.attention.scores import ScoreRule
@@ -130,9 +130,10 @@ class ModelRunner:
         release_freed()  # what loading freed, back to the OS: the steady RSS drops
         before_warm_up = memory.resident_bytes()
         self._warm_up()
-        log.info("model %s on %s (%s): %d KV blocks of %d tokens; decode attention: %s",
+        log.info("model %s on %s (%s): %d KV blocks of %d tokens (%s); decode attention: %s",
                  self.model_display_name, self.device, self.dtype, self.num_kv_blocks,
-                 self.block_size, "C++ kernel" if self.paged_decode_kernel else "torch")
+                 self.block_size, str(self.kv_dtype).removeprefix("torch."),
+                 "C++ kernel" if self.paged_decode_kernel else "torch")
         release_freed()  # and what the warm-up steps freed
         self.memory = memory.account(self.model, self.kv_cache, before_warm_up)
         log.info("memory: %s", self.memory.describe())
@@ -166,19 +167,27 @@ class ModelRunner:
                      max(windows), sum(1 for w in windows if w), len(windows))
         return windows
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the pool holds: the model's dtype, or int8 rows (engine/attention/kv_int8.py)."""
+        return torch.int8 if self.config.kv_cache_dtype == "int8" else self.dtype
+
     def _new_pool(self, num_blocks: int) -> torch.Tensor:
-        """One pool for all layers: [layers, K/V, blocks, kvH, block_size, hd]; on the CPU on
-        huge pages where the OS has them (engine/worker/huge_pages.py)."""
+        """One pool for all layers: [layers, K/V, blocks, kvH, block_size, row] (row: the head
+        dim, + 2 for an int8 row's scale); on the CPU on huge pages where the OS has them
+        (engine/worker/huge_pages.py)."""
         f = self.facts
-        shape = (f.num_layers, 2, num_blocks, f.num_kv_heads, self.block_size, f.head_dim)
+        row = kv_int8.row_width(f.head_dim, self.kv_dtype == torch.int8)
+        shape = (f.num_layers, 2, num_blocks, f.num_kv_heads, self.block_size, row)
         if self.device.type == "cpu":
-            return huge_pages.zeros(shape, self.dtype)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return huge_pages.zeros(shape, self.kv_dtype)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _block_bytes(self) -> int:
         f = self.facts
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return f.num_layers * 2 * self.block_size * f.num_kv_heads * f.head_dim * elem
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        row = kv_int8.row_width(f.head_dim, self.kv_dtype == torch.int8)
+        return f.num_layers * 2 * self.block_size * f.num_kv_heads * row * elem
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

@@ -15,6 +15,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -50,7 +51,58 @@ inline void prefetch(const void* p, int64_t bytes) {
 struct Shape {
   int64_t kv_heads, block_size, head_dim, group;  // group: query heads per kv head
   int64_t block_stride, head_stride;              // elements between blocks / kv heads in a pool
+  int64_t row;  // elements of one token's row in the pool: head_dim, or head_dim + 2 in int8
 };
+
+// The int8 KV cache (engine/attention/kv_int8.py): a pool row is head_dim int8 codes, then the
+// row's float16 scale; x = code * scale.
+constexpr int64_t kScaleBytes = 2;
+constexpr float kCodeMax = 127.f;
+
+inline float row_scale(const int8_t* row, int64_t head_dim) {
+  c10::Half scale;
+  std::memcpy(&scale, row + head_dim, sizeof scale);
+  return static_cast<float>(scale);
+}
+
+// n int8 rows (row elements apart) of a block, dequantized into n x hd floats.
+inline const float* as_float_int8(const int8_t* src, float* scratch, int64_t n, int64_t hd,
+                                  int64_t row) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* r = src + t * row;
+    const float scale = row_scale(r, hd);
+#pragma omp simd
+    for (int64_t d = 0; d < hd; ++d) scratch[t * hd + d] = static_cast<float>(r[d]) * scale;
+  }
+  return scratch;
+}
+
+// A block's n rows as n x hd floats, whatever the pool holds.
+template <typename P>
+inline const float* block_as_float(const P* src, float* scratch, int64_t n, int64_t hd,
+                                   int64_t row) {
+  if constexpr (std::is_same_v<P, int8_t>)
+    return as_float_int8(src, scratch, n, hd, row);
+  else
+    return as_float(src, scratch, n * hd);
+}
+
+// One row of hd values into an int8 pool row, as kv_int8.quantize does (the same bytes: the
+// scale is rounded to float16 first and the codes use it; x * (1 / scale), half to even).
+template <typename T>
+inline void quantize_row(const T* x, int8_t* dst, int64_t hd) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+  const float one_over_max = 1.f / kCodeMax;  // float32(1 / 127), as torch's scalar
+  const c10::Half scale(amax * one_over_max);
+  const float s = static_cast<float>(scale);
+  const float inverse = s > 0.f ? 1.f / s : 0.f;
+  for (int64_t d = 0; d < hd; ++d) {
+    const float code = std::nearbyint(static_cast<float>(x[d]) * inverse);
+    dst[d] = static_cast<int8_t>(std::clamp(code, -kCodeMax, kCodeMax));
+  }
+  std::memcpy(dst + hd, &scale, sizeof scale);
+}
 
 // How a layer shapes its scores before the softmax.
 struct ScoreRule {
@@ -220,8 +272,9 @@ inline void axpy_rows(float* __restrict acc, const float* __restrict p, const fl
 // get weight 0 in the softmax.
 // Block by block: the block's rows are widened to fp32 once, then each query head goes over
 // them (its query, or its running sum, held in registers).
-template <typename T, int64_t HD>
-void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_pool,
+// P: what the pool holds, T (the model's dtype) or int8 (codes and a scale per row).
+template <typename T, typename P, int64_t HD>
+void attend_one(const T* q, int64_t q_head_stride, const P* k_pool, const P* v_pool,
                 const int64_t* table, int64_t ctx, int64_t kv_head, const Shape& s, float scale,
                 const ScoreRule& rule, T* out, std::vector<float>& buf) {
   const int64_t g = s.group, hd = HD ? HD : s.head_dim, bs = s.block_size;
@@ -232,19 +285,20 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
   float* scores = rows + bs * hd;     // [g, ctx]
   float* inv_sum = scores + g * ctx;  // [g]
 
-  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0;
+  constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16> &&
+                            std::is_same_v<P, T> && HD > 0 && HD % 32 == 0;
   if constexpr (!bf16_dot)
     for (int64_t h = 0; h < g; ++h) {
       const float* qrow = as_float(q + h * q_head_stride, qf + h * hd, hd);
       for (int64_t d = 0; d < hd; ++d) qf[h * hd + d] = qrow[d] * scale;
     }
 
-  const int64_t num_blocks = (ctx + bs - 1) / bs, block_bytes = bs * hd * sizeof(T);
+  const int64_t num_blocks = (ctx + bs - 1) / bs, block_bytes = bs * s.row * sizeof(P);
   const int64_t head_offset = kv_head * s.head_stride;
   const int64_t window = rule.window;
   const int64_t lo = window > 0 && ctx > window ? ctx - window : 0;  // first position seen
   const int64_t b0 = lo / bs;                                         // its block
-  auto block = [&](const T* pool, int64_t b) { return pool + table[b] * s.block_stride + head_offset; };
+  auto block = [&](const P* pool, int64_t b) { return pool + table[b] * s.block_stride + head_offset; };
   prefetch(block(k_pool, b0), block_bytes);
   for (int64_t t0 = b0 * bs, b = b0; t0 < ctx; t0 += bs, ++b) {
     prefetch(b + 1 < num_blocks ? block(k_pool, b + 1) : block(v_pool, b0), block_bytes);
@@ -258,7 +312,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
       continue;
     }
 #endif
-    const float* k = as_float(block(k_pool, b), rows, n * hd);
+    const float* k = block_as_float<P>(block(k_pool, b), rows, n, hd, s.row);
     for (int64_t h = 0; h < g; ++h) dot_rows<HD>(qf + h * hd, k, scores + h * ctx + t0, n, hd);
   }
 
@@ -288,7 +342,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* k_pool, const T* v_p
       continue;
     }
 #endif
-    const float* v = as_float(block(v_pool, b), rows, n * hd);
+    const float* v = block_as_float<P>(block(v_pool, b), rows, n, hd, s.row);
     for (int64_t h = 0; h < g; ++h) axpy_rows<HD>(acc + h * hd, scores + h * ctx + t0, v, n, hd);
   }
   for (int64_t h = 0; h < g; ++h)
@@ -305,8 +359,8 @@ struct Io {
   T* out;
 };
 
-template <typename T, int64_t HD>
-void run(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T* vp,
+template <typename T, typename P, int64_t HD>
+void run(const Io<T>& io, int64_t num_seqs, int64_t heads, const P* kp, const P* vp,
          const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale,
          const ScoreRule& rule) {
   const int64_t width = tables.size(1);
@@ -323,7 +377,7 @@ void run(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T*
       const int64_t seq = task / s.kv_heads, kv_head = task % s.kv_heads;
       const T* q = io.q + seq * io.q_seq_stride + kv_head * s.group * io.q_head_stride;
       T* out = io.out + (seq * heads + kv_head * s.group) * s.head_dim;
-      attend_one<T, HD>(q, io.q_head_stride, kp, vp, tp + seq * width, lp[seq], kv_head, s,
+      attend_one<T, P, HD>(q, io.q_head_stride, kp, vp, tp + seq * width, lp[seq], kv_head, s,
                         scale, rule, out, buf);
     }
   });
@@ -364,18 +418,37 @@ ScoreRule score_rule(int64_t window, double softcap, const std::optional<at::Ten
 }
 
 // run() with the head dim's template picked: the common head dims get unrolled loops.
-template <typename T>
-void dispatch(const Io<T>& io, int64_t num_seqs, int64_t heads, const T* kp, const T* vp,
+template <typename T, typename P>
+void dispatch(const Io<T>& io, int64_t num_seqs, int64_t heads, const P* kp, const P* vp,
               const Shape& s, const at::Tensor& tables, const at::Tensor& lens, float scale,
               const ScoreRule& rule) {
   switch (s.head_dim) {
-    case 64: run<T, 64>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, rule); break;
-    case 128: run<T, 128>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, rule); break;
-    default: run<T, 0>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, rule);
+    case 64: run<T, P, 64>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, rule); break;
+    case 128: run<T, P, 128>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, rule); break;
+    default: run<T, P, 0>(io, num_seqs, heads, kp, vp, s, tables, lens, scale, rule);
   }
 }
 
-// q [D, H, hd]; k_pool, v_pool [blocks, kvH, block_size, hd]; block_tables [D, W] int64
+// The pool's row width for q's head dim: head_dim, or head_dim + 2 in an int8 pool.
+int64_t pool_row(const at::Tensor& pool, int64_t head_dim) {
+  return pool.scalar_type() == at::kChar ? head_dim + kScaleBytes : head_dim;
+}
+
+// dispatch() with the pool's element type picked: q's dtype, or int8.
+template <typename T>
+void dispatch_pool(const Io<T>& io, int64_t num_seqs, int64_t heads, const at::Tensor& k_pool,
+                   const void* kp, const void* vp, const Shape& s, const at::Tensor& tables,
+                   const at::Tensor& lens, float scale, const ScoreRule& rule) {
+  if (k_pool.scalar_type() == at::kChar)
+    dispatch<T, int8_t>(io, num_seqs, heads, static_cast<const int8_t*>(kp),
+                        static_cast<const int8_t*>(vp), s, tables, lens, scale, rule);
+  else
+    dispatch<T, T>(io, num_seqs, heads, static_cast<const T*>(kp), static_cast<const T*>(vp), s,
+                   tables, lens, scale, rule);
+}
+
+// q [D, H, hd]; k_pool, v_pool [blocks, kvH, block_size, hd] in q's dtype, or int8 [blocks,
+// kvH, block_size, hd + 2] (the int8 KV cache); block_tables [D, W] int64
 // (padded rows are never read past a sequence's length); context_lens [D] int64, each in
 // [1, W * block_size]; window, softcap and sinks: the layer's ScoreRule.
 // Returns [D, H, hd] in q's dtype.
@@ -387,63 +460,73 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_pool, const at:
               "paged_decode: q [D, H, hd] and two pools [blocks, kvH, block_size, hd]");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(),
               "paged_decode: contiguous inputs");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
-              "paged_decode: q and the pools share a dtype");
+  TORCH_CHECK((q.scalar_type() == k_pool.scalar_type() || k_pool.scalar_type() == at::kChar) &&
+                  k_pool.scalar_type() == v_pool.scalar_type(),
+              "paged_decode: pools in q's dtype or int8");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
               "paged_decode: float32 or bfloat16 only");
   const int64_t num_seqs = q.size(0), heads = q.size(1), kv_heads = k_pool.size(1);
-  TORCH_CHECK(q.size(2) == k_pool.size(3) && heads % kv_heads == 0,
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(k_pool.size(3) == pool_row(k_pool, head_dim) && heads % kv_heads == 0,
               "paged_decode: head_dim and GQA grouping");
   check_tables(block_tables, context_lens, num_seqs, k_pool.size(2), k_pool.size(0));
   const ScoreRule rule = score_rule(window, softcap, sinks, heads);
-  const Shape s{kv_heads, k_pool.size(2), k_pool.size(3), heads / kv_heads, k_pool.stride(0),
-                k_pool.stride(1)};
+  const Shape s{kv_heads, k_pool.size(2), head_dim, heads / kv_heads, k_pool.stride(0),
+                k_pool.stride(1), k_pool.size(3)};
   at::Tensor out = at::empty_like(q);
   const float sc = static_cast<float>(scale);
   if (q.scalar_type() == at::kFloat) {
-    const Io<float> io{q.data_ptr<float>(), heads * s.head_dim, s.head_dim, out.data_ptr<float>()};
-    dispatch<float>(io, num_seqs, heads, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), s,
-                    block_tables, context_lens, sc, rule);
+    const Io<float> io{q.data_ptr<float>(), heads * head_dim, head_dim, out.data_ptr<float>()};
+    dispatch_pool<float>(io, num_seqs, heads, k_pool, k_pool.data_ptr(), v_pool.data_ptr(), s,
+                         block_tables, context_lens, sc, rule);
   } else {
     using B = c10::BFloat16;
-    const Io<B> io{q.data_ptr<B>(), heads * s.head_dim, s.head_dim, out.data_ptr<B>()};
-    dispatch<B>(io, num_seqs, heads, k_pool.data_ptr<B>(), v_pool.data_ptr<B>(), s, block_tables,
-                context_lens, sc, rule);
+    const Io<B> io{q.data_ptr<B>(), heads * head_dim, head_dim, out.data_ptr<B>()};
+    dispatch_pool<B>(io, num_seqs, heads, k_pool, k_pool.data_ptr(), v_pool.data_ptr(), s,
+                     block_tables, context_lens, sc, rule);
   }
   return out;
 }
 
-// The fused step's K/V writes: row i of key/value (each kv head) into slot i of the pool.
-template <typename T>
-void write_new_kv(const at::Tensor& key, const at::Tensor& value, T* kp, T* vp, const Shape& s,
+// The fused step's K/V writes: row i of key/value (each kv head) into slot i of the pool
+// (copied, or quantized into an int8 pool).
+template <typename T, typename P>
+void write_new_kv(const at::Tensor& key, const at::Tensor& value, P* kp, P* vp, const Shape& s,
                   const int64_t* blocks, const int64_t* offsets, int64_t num_tokens) {
   const T* kn = key.data_ptr<T>();
   const T* vn = value.data_ptr<T>();
   const size_t row = static_cast<size_t>(s.head_dim) * sizeof(T);
   for (int64_t i = 0; i < num_tokens; ++i)
     for (int64_t h = 0; h < s.kv_heads; ++h) {
-      const int64_t slot = blocks[i] * s.block_stride + h * s.head_stride + offsets[i] * s.head_dim;
-      std::memcpy(kp + slot, kn + h * key.stride(1) + i * key.stride(2), row);
-      std::memcpy(vp + slot, vn + h * value.stride(1) + i * value.stride(2), row);
+      const int64_t slot = blocks[i] * s.block_stride + h * s.head_stride + offsets[i] * s.row;
+      const T* k = kn + h * key.stride(1) + i * key.stride(2);
+      const T* v = vn + h * value.stride(1) + i * value.stride(2);
+      if constexpr (std::is_same_v<P, int8_t>) {
+        quantize_row(k, kp + slot, s.head_dim);
+        quantize_row(v, vp + slot, s.head_dim);
+      } else {
+        std::memcpy(kp + slot, k, row);
+        std::memcpy(vp + slot, v, row);
+      }
     }
 }
 
-template <typename T>
+template <typename T, typename P>
 void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                  const at::Tensor& kv_cache, int64_t layer, const at::Tensor& write_blocks,
                  const at::Tensor& write_offsets, const std::optional<at::Tensor>& tables,
                  const std::optional<at::Tensor>& lens, float scale, const ScoreRule& rule,
                  at::Tensor& out) {
   const int64_t heads = query.size(1), kv_heads = kv_cache.size(3);
-  const Shape s{kv_heads, kv_cache.size(4), kv_cache.size(5), heads / kv_heads,
-                kv_cache.stride(2), kv_cache.stride(3)};
-  T* kp = kv_cache.data_ptr<T>() + layer * kv_cache.stride(0);
-  T* vp = kp + kv_cache.stride(1);
-  write_new_kv<T>(key, value, kp, vp, s, write_blocks.data_ptr<int64_t>(),
-                  write_offsets.data_ptr<int64_t>(), write_blocks.size(0));
+  const Shape s{kv_heads, kv_cache.size(4), query.size(3), heads / kv_heads,
+                kv_cache.stride(2), kv_cache.stride(3), kv_cache.size(5)};
+  P* kp = static_cast<P*>(kv_cache.data_ptr()) + layer * kv_cache.stride(0);
+  P* vp = kp + kv_cache.stride(1);
+  write_new_kv<T, P>(key, value, kp, vp, s, write_blocks.data_ptr<int64_t>(),
+                     write_offsets.data_ptr<int64_t>(), write_blocks.size(0));
   if (!tables.has_value()) return;
   const Io<T> io{query.data_ptr<T>(), query.stride(2), query.stride(1), out.data_ptr<T>()};
-  dispatch<T>(io, tables->size(0), heads, kp, vp, s, *tables, *lens, scale, rule);
+  dispatch<T, P>(io, tables->size(0), heads, kp, vp, s, *tables, *lens, scale, rule);
 }
 
 // One layer of a step through the pool, fused: the W new tokens' K/V go into their pool
@@ -453,7 +536,8 @@ void decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tenso
 // attention's cost. Reads the query and writes K/V in their [1, heads, T, hd] layouts,
 // whatever their strides; returns [1, T, H, hd] with rows from D on zero: the caller writes
 // the prefill rows [D, W) there (SDPA), rows past W are a compiled bucket's padding.
-// kv_cache [layers, 2, blocks, kvH, block_size, hd] contiguous; write_blocks/offsets [W];
+// kv_cache [layers, 2, blocks, kvH, block_size, hd] contiguous, in the query's dtype or int8
+// (rows of hd + 2: the int8 KV cache); write_blocks/offsets [W];
 // block_tables [D, width] and context_lens [D], both absent when the step has no decodes;
 // window, softcap and sinks: the layer's ScoreRule.
 at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_in,
@@ -470,9 +554,10 @@ at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_i
               "paged_decode_step: a contiguous pool [layers, 2, blocks, kvH, block_size, hd]");
   TORCH_CHECK(layer >= 0 && layer < kv_cache.size(0), "paged_decode_step: layer out of range");
   const auto dtype = query_in.scalar_type();
+  const bool int8_pool = kv_cache.scalar_type() == at::kChar;
   TORCH_CHECK(dtype == key_in.scalar_type() && dtype == value_in.scalar_type() &&
-                  dtype == kv_cache.scalar_type(),
-              "paged_decode_step: query, key, value and the pool share a dtype");
+                  (dtype == kv_cache.scalar_type() || int8_pool),
+              "paged_decode_step: query, key and value share a dtype; the pool has it or int8");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "paged_decode_step: float32 or bfloat16 only");
   // Rows are copied and read as head_dim contiguous elements; any other layout is copied once.
@@ -482,7 +567,7 @@ at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_i
   const int64_t heads = query.size(1), tokens = query.size(2), head_dim = query.size(3);
   const int64_t kv_heads = kv_cache.size(3), block_size = kv_cache.size(4);
   TORCH_CHECK(key.size(1) == kv_heads && key.size(2) == tokens && key.size(3) == head_dim &&
-                  kv_cache.size(5) == head_dim && heads % kv_heads == 0,
+                  kv_cache.size(5) == pool_row(kv_cache, head_dim) && heads % kv_heads == 0,
               "paged_decode_step: heads, head_dim and GQA grouping");
   TORCH_CHECK(write_blocks.is_contiguous() && write_offsets.is_contiguous() &&
                   write_blocks.scalar_type() == at::kLong &&
@@ -506,12 +591,19 @@ at::Tensor paged_decode_step(const at::Tensor& query_in, const at::Tensor& key_i
   at::Tensor out = at::empty({1, tokens, heads, head_dim}, query.options());
   if (tokens > num_seqs) out.narrow(1, num_seqs, tokens - num_seqs).zero_();
   const float sc = static_cast<float>(scale);
-  if (dtype == at::kFloat)
-    decode_step<float>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
-                       block_tables, context_lens, sc, rule, out);
-  else
-    decode_step<c10::BFloat16>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
+  using B = c10::BFloat16;
+  if (dtype == at::kFloat && int8_pool)
+    decode_step<float, int8_t>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
                                block_tables, context_lens, sc, rule, out);
+  else if (dtype == at::kFloat)
+    decode_step<float, float>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
+                              block_tables, context_lens, sc, rule, out);
+  else if (int8_pool)
+    decode_step<B, int8_t>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
+                           block_tables, context_lens, sc, rule, out);
+  else
+    decode_step<B, B>(query, key, value, kv_cache, layer, write_blocks, write_offsets,
+                      block_tables, context_lens, sc, rule, out);
   return out;
 }
 
