@@ -5,10 +5,14 @@ For each dtype, number of decodes D and context length, both paths attend the sa
 over the same pool through `engine.attention.paged.attend` (metadata built as the runner builds it,
 block tables shuffled over the pool as a long-running server's are), alternating in a shuffled
 order; the median of `--repeats` calls is kept, and the ratio torch / kernel is reported.
-A 30-layer model pays this 30 times a step.
+A 30-layer model pays this 30 times a step. `--kv-dtypes auto int8` adds the int8 KV cache
+(engine/attention/kv_int8.py): each path over an int8 pool holding the same values, and the
+kernel's time over the int8 pool against its time over the dtype's own.
 
     .venv/bin/python -m benchmarks.bench_decode_attention                 # SmolLM2-135M shapes
     .venv/bin/python -m benchmarks.bench_decode_attention --threads 1 --dtypes float32
+    .venv/bin/python -m benchmarks.bench_decode_attention --heads 32 --kv-heads 8 \
+        --dtypes bfloat16 --kv-dtypes auto int8                          # Llama-3.2-1B shapes
 
 Writes benchmarks/results/decode-attention-<machine>.json with the machine description.
 """
@@ -36,8 +40,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def make_case(decodes: int, context: int, heads: int, kv_heads: int, head_dim: int,
               block_size: int, dtype: torch.dtype, paged_kernel: bool,
-              seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """q [H, D, hd], the new k/v [kvH, D, hd] and the metadata of D decodes at `context`."""
+              seed: int, int8: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """q [H, D, hd], the new k/v [kvH, D, hd] and the metadata of D decodes at `context`
+    (int8: the pool's values held as the int8 KV cache holds them)."""
+    from engine.attention import kv_int8
     from engine.attention.paged import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
@@ -45,6 +51,8 @@ def make_case(decodes: int, context: int, heads: int, kv_heads: int, head_dim: i
     blocks = list(range(decodes * per_seq + 1))
     random.Random(seed).shuffle(blocks)
     pool = torch.randn(1, 2, len(blocks), kv_heads, block_size, head_dim, generator=gen).to(dtype)
+    if int8:
+        pool = kv_int8.quantize(pool)
     tables = [blocks[i * per_seq:(i + 1) * per_seq] for i in range(decodes)]
     slots = [t[(context - 1) // block_size] * block_size + (context - 1) % block_size
              for t in tables]
@@ -65,27 +73,32 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     cases = [(dt, d, c) for dt in args.dtypes for d in args.decodes for c in args.contexts]
     with torch.inference_mode():
         for dt, d, c in tqdm(cases, desc="cases", unit="case"):
-            calls = {}
-            for name, kernel in (("kernel", True), ("torch", False)):
-                q, k, v, meta = make_case(d, c, args.heads, args.kv_heads, args.head_dim,
-                                          args.block_size, DTYPES[dt], kernel, args.seed)
-                calls[name] = (lambda q=q, k=k, v=v, meta=meta:
-                               attend(q, k, v, 0, args.head_dim ** -0.5, meta))
-            times: dict[str, list[float]] = {"kernel": [], "torch": []}
-            outs = {name: fn() for name, fn in calls.items()}  # warm, and compare
+            calls = {}  # (path, kv dtype) -> one call, all timed interleaved
+            for kv in args.kv_dtypes:
+                for path, kernel in (("kernel", True), ("torch", False)):
+                    q, k, v, meta = make_case(d, c, args.heads, args.kv_heads, args.head_dim,
+                                              args.block_size, DTYPES[dt], kernel, args.seed,
+                                              int8=kv == "int8")
+                    calls[path, kv] = (lambda q=q, k=k, v=v, meta=meta:
+                                       attend(q, k, v, 0, args.head_dim ** -0.5, meta))
+            times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
+            outs = {key: fn() for key, fn in calls.items()}  # warm, and compare
             order = list(calls)
             for _ in range(args.repeats):
                 rng.shuffle(order)
-                for name in order:
+                for key in order:
                     t0 = time.perf_counter()
-                    calls[name]()
-                    times[name].append(time.perf_counter() - t0)
-            kernel_ms = statistics.median(times["kernel"]) * 1e3
-            torch_ms = statistics.median(times["torch"]) * 1e3
-            err = (outs["kernel"].float() - outs["torch"].float()).abs().max().item()
-            rows.append({"dtype": dt, "decodes": d, "context": c, "kernel_ms": kernel_ms,
-                         "torch_ms": torch_ms, "speedup": torch_ms / kernel_ms,
-                         "max_abs_diff": err})
+                    calls[key]()
+                    times[key].append(time.perf_counter() - t0)
+            ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
+            for kv in args.kv_dtypes:
+                err = (outs["kernel", kv].float() - outs["torch", kv].float()).abs().max().item()
+                row = {"dtype": dt, "kv_dtype": kv, "decodes": d, "context": c,
+                       "kernel_ms": ms["kernel", kv], "torch_ms": ms["torch", kv],
+                       "speedup": ms["torch", kv] / ms["kernel", kv], "max_abs_diff": err}
+                if kv != "auto" and "auto" in args.kv_dtypes:  # the same kernel, its own pool
+                    row["kernel_vs_auto"] = ms["kernel", "auto"] / ms["kernel", kv]
+                rows.append(row)
     return rows
 
 
@@ -93,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=["auto", "int8"],
+                   help="what the pool holds (as --kv-cache-dtype): auto, the dtype's own")
     p.add_argument("--decodes", type=int, nargs="+", default=[1, 4, 16, 64],
                    help="decodes in the step (D)")
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048],
@@ -118,10 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     if not cpu_kernels.paged_decode_available():
         raise SystemExit("the CPU paged-decode kernel did not build (see the warning above)")
     rows = measure(args)
-    print(f"{'dtype':>9} {'D':>4} {'ctx':>5} {'kernel ms':>10} {'torch ms':>9} {'torch/kernel':>13}")
+    print(f"{'dtype':>9} {'kv':>5} {'D':>4} {'ctx':>5} {'kernel ms':>10} {'torch ms':>9} "
+          f"{'torch/kernel':>13} {'auto/int8 kernel':>17}")
     for r in rows:
-        print(f"{r['dtype']:>9} {r['decodes']:>4} {r['context']:>5} {r['kernel_ms']:>10.3f} "
-              f"{r['torch_ms']:>9.3f} {r['speedup']:>12.2f}x")
+        vs = f"{r['kernel_vs_auto']:>16.2f}x" if "kernel_vs_auto" in r else ""
+        print(f"{r['dtype']:>9} {r['kv_dtype']:>5} {r['decodes']:>4} {r['context']:>5} "
+              f"{r['kernel_ms']:>10.3f} {r['torch_ms']:>9.3f} {r['speedup']:>12.2f}x {vs}")
     info = machine_info()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode-attention-{machine_slug(info)}.json"

@@ -4,20 +4,19 @@ perplexity on tests/data's text stays within 1% of the float pool's (slow)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from benchmarks.bench_kv_cache import engine_perplexity
 from engine.attention import kv_int8
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.worker.loader import load_model
 from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
-from scheduler.sampling_params import SamplingParams
 from tests.engine.test_golden import MAX_NEW, TEXTS, run
 from tests.support.models import loaded_runner
 from tests.support.perplexity import text_ids
@@ -113,31 +112,15 @@ def test_greedy_tokens_equal_hf_with_the_same_kv_quantization(
     assert equal >= len(prompts) - 2, equal
 
 
-def engine_perplexity(runner: ModelRunner, ids: list[int], piece: int, chunk: int) -> float:
-    """exp(mean NLL) of ids in pieces of `piece` tokens (each piece's first token unscored),
-    scored through the engine's prompt logprobs with prompts cut into `chunk`-token steps:
-    every chunk after a piece's first attends to the tokens before it as the pool holds them."""
-    llm = engine(runner, max_num_seqs=4, max_num_batched_tokens=chunk, max_model_len=piece + 8)
-    scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    pieces = [ids[s:s + piece] for s in range(0, len(ids) - 1, piece) if len(ids) - s > 1]
-    for i, p in enumerate(pieces):
-        llm.add_request(f"piece{i}", p, scoring)
-    nll, count = 0.0, 0
-    while llm.has_unfinished():
-        for out in llm.step():
-            for lp in out.prompt_logprobs or []:
-                if lp is not None:
-                    nll -= lp.chosen.logprob
-                    count += 1
-    assert count == sum(len(p) - 1 for p in pieces)
-    return math.exp(nll / count)
-
-
 def test_perplexity_is_within_one_percent_of_the_float_pool(
         int8_runner: ModelRunner, smollm2_runner: ModelRunner) -> None:
+    """Pieces of 384 tokens scored in 32-token steps: every step after a piece's first reads
+    the tokens before it from the pool (benchmarks/bench_kv_cache.py measures bfloat16 too)."""
     ids = text_ids(int8_runner.tokenizer)[:2048].tolist()
-    dense = engine_perplexity(smollm2_runner, ids, piece=384, chunk=32)
-    int8 = engine_perplexity(int8_runner, ids, piece=384, chunk=32)
+    dense = engine_perplexity(engine(smollm2_runner, max_num_seqs=4, max_num_batched_tokens=32),
+                              ids, piece=384)
+    int8 = engine_perplexity(engine(int8_runner, max_num_seqs=4, max_num_batched_tokens=32),
+                             ids, piece=384)
     assert dense != int8  # the pool's values did change what the model saw
     print(f"perplexity: float pool {dense:.4f}, int8 pool {int8:.4f}")
     assert abs(int8 / dense - 1) <= 0.01, (int8, dense)

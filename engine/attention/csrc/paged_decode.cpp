@@ -8,7 +8,9 @@
 // torch.ops.pagedserve_cpu.paged_decode, and as paged_decode_step: a decode-only step's
 // whole layer (the new K/V written into the pool, then the attention) in one call. Each
 // task's arithmetic is sequential in a fixed order, so a sequence's result does not depend
-// on what else is in the batch.
+// on what else is in the batch. The pool holds the model's dtype (fp32, bf16) or int8 rows
+// (the int8 KV cache: codes and a float16 scale per row, engine/attention/kv_int8.py), which
+// are quantized as they are written and dequantized into float32 as they are read.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -126,6 +128,30 @@ inline void dot_rows(const float* __restrict q, const float* __restrict k, float
   }
 }
 
+#if defined(__AVX512F__)
+// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors: a tree of lane shuffles and adds (46
+// instructions against ~130 for 16 separate horizontal sums). Each add only ever combines
+// lanes of one input vector.
+inline __m512 sum16(__m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit quarters: v[2i]'s q0+q2, q1+q3, then v[2i+1]'s
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarter k: the 4 partial sums of v[4i + k]
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // quarter k: 2 partials of v[8i + k], then of v[8i + 4 + k]
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  // lane 4k + m: the sum of v[4m + k]; the permute puts it at lane 4m + k
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
+                                 _mm512_shuffle_ps(c[0], c[1], 0xDD));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, d);
+}
+
+#endif
+
 #if defined(__AVX512BF16__)
 // The QK of one bf16 block with the BF16 dot-product instruction (vdpbf16ps: each pair of bf16
 // products summed exactly into fp32 lanes), K read as stored, never widened:
@@ -149,27 +175,6 @@ inline void qk_block_bf16(const c10::BFloat16* q, int64_t q_head_stride, int64_t
       scores[h * ctx + t] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-}
-
-// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors: a tree of lane shuffles and adds (46
-// instructions against ~130 for 16 separate horizontal sums). Each add only ever combines
-// lanes of one input vector.
-inline __m512 sum16(__m512 v[16]) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)  // 128-bit quarters: v[2i]'s q0+q2, q1+q3, then v[2i+1]'s
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // quarter k: the 4 partial sums of v[4i + k]
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // quarter k: 2 partials of v[8i + k], then of v[8i + 4 + k]
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-  // lane 4k + m: the sum of v[4m + k]; the permute puts it at lane 4m + k
-  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88),
-                                 _mm512_shuffle_ps(c[0], c[1], 0xDD));
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, d);
 }
 
 // qk_block_bf16 for a block of 16 rows (the default block size): the 16 rows' dot products
@@ -243,6 +248,92 @@ inline void pv_block_bf16_heads(const float* scores, int64_t ctx, int64_t g,
 constexpr bool kBf16Dot = false;
 #endif
 
+#if defined(__AVX512F__)
+// The int8 pool's blocks with AVX-512 (head dims of 16s): each row's codes widened to fp32
+// once (sign-extend, convert) and used by every query head of the group.
+constexpr bool kInt8Simd = true;
+
+template <int64_t HD>
+inline void widen_codes(const int8_t* r, __m512* out) {
+  for (int64_t j = 0; j < HD / 16; ++j)
+    out[j] = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + j * 16))));
+}
+
+// The QK of one int8 block of at most 16 rows for the g query heads: qf [g, HD] the scaled
+// queries; scores[h * ctx + t] = (qf_h . codes[t]) * scale[t]. The block's codes are widened
+// into `rows` once; each head then sums its 16 dot products across lanes together (sum16).
+template <int64_t HD>
+inline void qk_block_int8(const float* qf, int64_t g, const int8_t* k, int64_t row, float* rows,
+                          float* scores, int64_t ctx, int64_t n) {
+  constexpr int64_t W = HD / 16;
+  alignas(64) float scale[16] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 r[W];
+    widen_codes<HD>(k + t * row, r);
+    for (int64_t j = 0; j < W; ++j) _mm512_storeu_ps(rows + t * HD + j * 16, r[j]);
+    scale[t] = row_scale(k + t * row, HD);
+  }
+  const __m512 scales = _mm512_load_ps(scale);
+  const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t h = 0; h < g; ++h) {
+    __m512 qv[W];
+    for (int64_t j = 0; j < W; ++j) qv[j] = _mm512_loadu_ps(qf + h * HD + j * 16);
+    __m512 dots[16];
+    for (int64_t t = 0; t < 16; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      if (t < n)
+        for (int64_t j = 0; j < W; ++j)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(rows + t * HD + j * 16), qv[j], acc);
+      dots[t] = acc;
+    }
+    _mm512_mask_storeu_ps(scores + h * ctx, keep, _mm512_mul_ps(sum16(dots), scales));
+  }
+}
+
+// The PV of one int8 block for G query heads at once, as pv_block_bf16: each V row widened
+// once, its scale folded into the heads' weights. p: the first head's probabilities at this
+// block (the next head's ctx further on); acc: [G, HD].
+template <int64_t HD, int G>
+inline void pv_block_int8(const float* p, int64_t ctx, const int8_t* v, int64_t row, int64_t n,
+                          float* acc) {
+  constexpr int64_t W = HD / 16;
+  __m512 a[G][W];
+  for (int h = 0; h < G; ++h)
+    for (int64_t j = 0; j < W; ++j) a[h][j] = _mm512_loadu_ps(acc + h * HD + j * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 r[W];
+    widen_codes<HD>(v + t * row, r);
+    const float scale = row_scale(v + t * row, HD);
+    for (int h = 0; h < G; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h * ctx + t] * scale);
+      for (int64_t j = 0; j < W; ++j) a[h][j] = _mm512_fmadd_ps(w, r[j], a[h][j]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int64_t j = 0; j < W; ++j) _mm512_storeu_ps(acc + h * HD + j * 16, a[h][j]);
+}
+
+// pv_block_int8 over all g heads, in groups of as many as fit in registers.
+template <int64_t HD>
+inline void pv_block_int8_heads(const float* scores, int64_t ctx, int64_t g, const int8_t* v,
+                                int64_t row, int64_t n, float* acc) {
+  constexpr int64_t most = HD <= 64 ? 4 : 2;
+  for (int64_t h = 0; h < g; h += most) {
+    const float* p = scores + h * ctx;
+    float* a = acc + h * HD;
+    switch (std::min(most, g - h)) {
+      case 1: pv_block_int8<HD, 1>(p, ctx, v, row, n, a); break;
+      case 2: pv_block_int8<HD, 2>(p, ctx, v, row, n, a); break;
+      case 3: pv_block_int8<HD, 3>(p, ctx, v, row, n, a); break;
+      default: pv_block_int8<HD, 4>(p, ctx, v, row, n, a);
+    }
+  }
+}
+#else
+constexpr bool kInt8Simd = false;
+#endif
+
 // acc += sum_t p[t] * v[t] over the n rows of one block (v: [n, hd] floats). With the head dim
 // known the sum stays in registers across the rows instead of going through memory per row.
 template <int64_t HD>
@@ -287,6 +378,7 @@ void attend_one(const T* q, int64_t q_head_stride, const P* k_pool, const P* v_p
 
   constexpr bool bf16_dot = kBf16Dot && std::is_same_v<T, c10::BFloat16> &&
                             std::is_same_v<P, T> && HD > 0 && HD % 32 == 0;
+  constexpr bool int8_simd = kInt8Simd && std::is_same_v<P, int8_t> && HD > 0 && HD % 16 == 0;
   if constexpr (!bf16_dot)
     for (int64_t h = 0; h < g; ++h) {
       const float* qrow = as_float(q + h * q_head_stride, qf + h * hd, hd);
@@ -309,6 +401,15 @@ void attend_one(const T* q, int64_t q_head_stride, const P* k_pool, const P* v_p
         qk_block16_bf16<HD>(q, q_head_stride, g, block(k_pool, b), scores + t0, ctx, n, scale);
       else
         qk_block_bf16<HD>(q, q_head_stride, g, block(k_pool, b), scores + t0, ctx, n, scale);
+      continue;
+    }
+#endif
+#if defined(__AVX512F__)
+    if constexpr (int8_simd) {  // 16 rows at a time (a block of another size too)
+      const P* kb = block(k_pool, b);
+      for (int64_t t = 0; t < n; t += 16)
+        qk_block_int8<HD>(qf, g, kb + t * s.row, s.row, rows, scores + t0 + t, ctx,
+                          std::min<int64_t>(16, n - t));
       continue;
     }
 #endif
@@ -339,6 +440,12 @@ void attend_one(const T* q, int64_t q_head_stride, const P* k_pool, const P* v_p
 #if defined(__AVX512BF16__)
     if constexpr (bf16_dot) {
       pv_block_bf16_heads<HD>(scores + t0, ctx, g, block(v_pool, b), n, acc);
+      continue;
+    }
+#endif
+#if defined(__AVX512F__)
+    if constexpr (int8_simd) {
+      pv_block_int8_heads<HD>(scores + t0, ctx, g, block(v_pool, b), s.row, n, acc);
       continue;
     }
 #endif
