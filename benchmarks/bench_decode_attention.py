@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['kernel_ms']:>10.3f} {r['torch_ms']:>9.3f} {r['speedup']:>12.2f}x {vs}")
     info = machine_info()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"decode-attention-{machine_slug(info)}.json"
+    shape = ("" if (args.heads, args.kv_heads, args.head_dim) == (9, 3, 64)  # SmolLM2's
+             else f"{args.heads}x{args.kv_heads}x{args.head_dim}-")
+    path = args.out / f"decode-attention-{shape}{machine_slug(info)}.json"
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     path.write_text(json.dumps({"benchmark": "decode_attention", "args": config,
                                 "threads": torch.get_num_threads(), "machine": info,
