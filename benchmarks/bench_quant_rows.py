@@ -14,6 +14,11 @@ torch's kernel.
 
     .venv/bin/python -m benchmarks.bench_quant_rows                    # auto (GGUF Q4_1), fp32
     .venv/bin/python -m benchmarks.bench_quant_rows --quantization int8 --threads 1
+    .venv/bin/python -m benchmarks.bench_quant_rows --model <folder> --quantization w8a8 \
+        --dtype bfloat16
+
+With int8 codes (`int8`, `w8a8`) a fourth path is timed: the W8A8 product (activations
+quantized per token, torch._int_mm; W8A8Linear's path above W8A8_ABOVE rows).
 
 Writes benchmarks/results/quant-rows-<machine>-<mode>-<dtype>.json with the machine
 description.
@@ -64,6 +69,14 @@ def many_rows_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return call
 
 
+def w8a8_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    from engine.layers.quantization.linear import w8a8_mm
+
+    def call() -> torch.Tensor:
+        return w8a8_mm(x.to(mod.kernel_dtype), mod.codes, mod.scales).to(x.dtype)
+    return call
+
+
 def dense_call(mod: Any, x: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: mod.dense(x)
 
@@ -90,6 +103,8 @@ def measure(mods: list[tuple[str, Any]], rows: tuple[int, ...], repeats: int,
     paths = {"kernel": kernel_call, "dense": dense_call}
     if all(mod.use_many_rows for _, mod in mods):
         paths["many_rows"] = many_rows_call
+    if all(hasattr(mod, "codes") for _, mod in mods):  # int8 codes: the W8A8 product too
+        paths["w8a8"] = w8a8_call
     rng = random.Random(seed)
     samples: dict[tuple[int, str, str], list[float]] = {}
     jobs = [(n, name, mod) for n in rows for name, mod in mods]
@@ -147,7 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M (Q4_1 GGUF)")
-    p.add_argument("--quantization", default="auto", choices=("auto", "int8", "int4"))
+    p.add_argument("--quantization", default="auto", choices=("auto", "int8", "int4", "w8a8"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: what `pagedserve serve` uses, every usable core)")
@@ -173,11 +188,13 @@ def main(argv: list[str] | None = None) -> None:
                   for g in next(iter(per_rows.values()))}
     print(f"{len(mods)} quantized linears, {args.dtype}, {threads} thread(s); ms per step")
     for g, cross in crossovers.items():
-        print(f"\n{g}: {'rows':>5} {'kernel':>9} {'many_rows':>10} {'dense':>9} {'dense/kernel':>13}")
+        print(f"\n{g}: {'rows':>5} {'kernel':>9} {'many_rows':>10} {'w8a8':>9} {'dense':>9} "
+              f"{'dense/kernel':>13}")
         for n, v in per_rows.items():
             k, d, m = v[g]["kernel"], v[g]["dense"], v[g].get("many_rows", float("nan"))
-            print(f"{'':{len(g) + 2}}{n:>5} {k * 1e3:>9.2f} {m * 1e3:>10.2f} {d * 1e3:>9.2f} "
-                  f"{d / k:>12.2f}x")
+            w = v[g].get("w8a8", float("nan"))
+            print(f"{'':{len(g) + 2}}{n:>5} {k * 1e3:>9.2f} {m * 1e3:>10.2f} {w * 1e3:>9.2f} "
+                  f"{d * 1e3:>9.2f} {d / k:>12.2f}x")
         print(f"{'':{len(g) + 2}}crossover: {cross}")
     print(f"\ncrossover of the whole step (dense faster from here on): {crossovers['all']} rows")
     machine = machine_info() | {"load_avg_at_end": os.getloadavg()}

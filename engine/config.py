@@ -21,7 +21,7 @@ ATTENTION_BACKENDS = ("auto", "torch")  # engine/attention/cpu_kernels.py
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w8a8")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype; int8: engine/attention/kv_int8.py
 
 
@@ -70,9 +70,10 @@ class EngineConfig:
     quantization: str = option(
         "auto", "weights: auto (in bfloat16 a GGUF keeps its Q4/Q8 weights; safetensors, or "
         "any other dtype, stays dense) | none (dense) | int8 | int4 (quantized at load; the "
-        "kernels compute in bfloat16); one copy of each weight: steps of more than 8 token rows "
-        "use our many-row kernel (dense copies only where it cannot build); see "
-        "docs/quantization.md", choices=QUANTIZATIONS)
+        "kernels compute in bfloat16) | w8a8 (int8 weights, and in steps of more than 8 token "
+        "rows int8 activations per token: int8 GEMMs); one copy of each weight: steps of more "
+        "than 8 token rows use our many-row kernel (dense copies only where it cannot build); "
+        "see docs/quantization.md", choices=QUANTIZATIONS)
     attention_backend: str = option(
         "auto", "decode attention on the CPU: auto (our C++ paged-decode kernel, built with g++ "
         "on first start and cached; the torch path if it cannot be built) | torch (gather the "
@@ -90,7 +91,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError("quantization must be auto, none, int8 or int4")
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.quantization.linear import Int4Linear, Int8Linear, concat_dense
+from engine.layers.quantization.linear import Int4Linear, Int8Linear, W8A8Linear, concat_dense
 from engine.worker.file_pages import mapped_checkpoints, release_freed, release_pages
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ def concat_linears(parts: Sequence[Any]) -> nn.Module | None:
         if len({p.weight.dtype for p in parts}) != 1:
             return None
         return concat_dense([p.weight for p in parts], [p.bias for p in parts])
-    if kind in (Int4Linear, Int8Linear):
+    if kind in (Int4Linear, Int8Linear, W8A8Linear):
         return kind.concat(parts)
     return None
 

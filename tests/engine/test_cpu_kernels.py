@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from api.cli import build_parser, config_overrides
-from engine.attention import cpu_kernels
+from engine.attention import cpu_kernels, kv_int8
 from engine.attention.paged import AttentionMetadata, attend, attend_step, build_metadata
 from engine.attention.scores import ScoreRule
 from engine.config import EngineConfig
@@ -218,14 +218,20 @@ def test_the_fused_step_writes_and_attends_as_the_unfused_path(dtype: torch.dtyp
 
 
 def mixed_step(decodes: list[int], prefills: list[tuple[int, int]], dtype: torch.dtype,
-               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+               seed: int = 0, kernel: bool = True, int8: bool = False,
+               rule: ScoreRule | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """One layer of a step with decodes (their context lengths) then prefill chunks (n new
-    tokens after c cached ones), in the runner's packed order, through the kernel path.
-    Returns the pool, q [1, H, T, hd], the new K/V [2, 1, kvH, T, hd] and the metadata."""
+    tokens after c cached ones), in the runner's packed order, through the kernel path (or
+    the torch path); int8: the pool's values as the int8 KV cache holds them; rule: the
+    layer's ScoreRule. Returns the pool, q [1, H, T, hd], the new K/V [2, 1, kvH, T, hd] and
+    the metadata."""
     gen = torch.Generator().manual_seed(seed)
     lengths = decodes + [c + n for n, c in prefills]
     pool = torch.randn(1, 2, sum(-(-n // BLOCK) for n in lengths) + 2, KV_HEADS, BLOCK,
                        HEAD_DIM, generator=gen).to(dtype)
+    if int8:
+        pool = kv_int8.quantize(pool)
     blocks = list(range(pool.shape[2]))
     random.Random(seed).shuffle(blocks)
     tables = [[blocks.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
@@ -236,7 +242,8 @@ def mixed_step(decodes: list[int], prefills: list[tuple[int, int]], dtype: torch
         chunks.append((start, n, c, table))
         start += n
     meta = build_metadata(pool, BLOCK, slots, list(zip(tables, decodes)), chunks,
-                          torch.device("cpu"), paged_decode_kernel=True)
+                          torch.device("cpu"), paged_decode_kernel=kernel,
+                          rules=(rule,) if rule else ())
     q = torch.randn(1, HEADS, start, HEAD_DIM, generator=gen).to(dtype)
     kv = torch.randn(2, 1, KV_HEADS, start, HEAD_DIM, generator=gen).to(dtype)
     return pool, q, kv, meta

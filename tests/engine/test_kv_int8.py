@@ -7,19 +7,19 @@ real model: tests/engine/test_kv_int8_smollm2.py."""
 from __future__ import annotations
 
 import dataclasses
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.attention import cpu_kernels, kv_int8
-from engine.attention.paged import AttentionMetadata, attend, attend_step, build_metadata
+from engine.attention.paged import AttentionMetadata, attend, attend_step
 from engine.attention.scores import ScoreRule
 from engine.worker.model_runner import ModelRunner
+from tests.engine.test_cpu_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS
+from tests.engine.test_cpu_kernels import mixed_step as kernels_step
 from tests.support.models import loaded_runner, tiny_config
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 64, 16
 SCALE = HEAD_DIM ** -0.5
 CPU = torch.device("cpu")
 
@@ -70,31 +70,14 @@ def test_the_width_and_head_dim_of_a_pool() -> None:
 
 
 def mixed_step(decodes: list[int], prefills: list[tuple[int, int]], dtype: torch.dtype,
-               int8: bool, kernel: bool, seed: int = 0, rule: ScoreRule | None = None,
+               int8: bool, kernel: bool, rule: ScoreRule | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """One layer of a step over a shuffled pool already holding every context: decodes (their
-    context lengths), then prefill chunks (n new tokens after c cached ones). The pool holds
-    the same values either way (int8: quantized from the float pool). Returns the pool,
-    q [H, T, hd], the new K/V [2, kvH, T, hd] and the metadata."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = decodes + [c + n for n, c in prefills]
-    values = torch.randn(1, 2, sum(-(-n // BLOCK) for n in lengths) + 2, KV_HEADS, BLOCK,
-                         HEAD_DIM, generator=gen).to(dtype)
-    pool = kv_int8.quantize(values) if int8 else values
-    blocks = list(range(pool.shape[2]))
-    random.Random(seed).shuffle(blocks)
-    tables = [[blocks.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
-    slots = [t[(c - 1) // BLOCK] * BLOCK + (c - 1) % BLOCK for t, c in zip(tables, decodes)]
-    chunks, start = [], len(decodes)
-    for (n, c), table in zip(prefills, tables[len(decodes):]):
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(c, c + n)]
-        chunks.append((start, n, c, table))
-        start += n
-    meta = build_metadata(pool, BLOCK, slots, list(zip(tables, decodes)), chunks, CPU,
-                          paged_decode_kernel=kernel, rules=(rule,) if rule else ())
-    q = torch.randn(HEADS, start, HEAD_DIM, generator=gen).to(dtype)
-    kv = torch.randn(2, KV_HEADS, start, HEAD_DIM, generator=gen).to(dtype)
-    return pool, q, kv, meta
+    """test_cpu_kernels' step of one layer over a shuffled pool already holding every
+    context (the same values either way; int8: quantized from them), as q [H, T, hd] and the
+    new K/V [2, kvH, T, hd]."""
+    pool, q, kv, meta = kernels_step(decodes, prefills, dtype, kernel=kernel, int8=int8,
+                                     rule=rule)
+    return pool, q[0], kv[:, 0], meta
 
 
 def step(decodes: list[int], prefills: list[tuple[int, int]], dtype: torch.dtype, int8: bool,

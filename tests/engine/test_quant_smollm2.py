@@ -97,14 +97,17 @@ def quantized_ppl(dense: LoadedModel, ids: torch.Tensor, mode: str, gguf: bool,
 # int4 from dense with groups of 64 measured ppl 38.29 vs 28.78 (+33%, fails the bound): the
 # shipped INT4_GROUP_SIZE is 32. Measured passing: int8 and GGUF-native int4 (numbers in
 # docs/quantization.md).
-CASES = [("int8", False, 32, 0.02), ("int4", True, 32, 0.10), ("int4", False, 32, 0.10)]
+# w8a8: issue 32's bound, 3% (its prompts of 512 rows all take the int8 GEMM).
+CASES = [("int8", False, 32, 0.02), ("int4", True, 32, 0.10), ("int4", False, 32, 0.10),
+         ("w8a8", False, 32, 0.03)]
 
 
 @pytest.mark.parametrize(("mode", "gguf", "group", "bound"), CASES,
-                         ids=["int8", "int4-gguf-native", "int4-from-dense-g32"])
+                         ids=["int8", "int4-gguf-native", "int4-from-dense-g32", "w8a8"])
 def test_perplexity_within_bounds(dense: LoadedModel, ids: torch.Tensor, reference_ppl: float,
                                   mode: str, gguf: bool, group: int, bound: float) -> None:
     ppl = quantized_ppl(dense, ids, mode, gguf, group)
+    print(f"perplexity {mode}: {ppl:.3f} against {reference_ppl:.3f} dense")
     assert abs(ppl / reference_ppl - 1) <= bound, (ppl, reference_ppl)
 
 

@@ -176,6 +176,47 @@ class Int8Linear(_QuantLinear):
         return "int8 per-row, " + super().extra_repr()
 
 
+class W8A8Linear(Int8Linear):
+    """`--quantization w8a8`: Int8Linear's codes and scales, and for calls of more than
+    W8A8_ABOVE token rows the activations in int8 too: each row gets its own scale (dynamic,
+    symmetric: amax / 127), and the product is an int8 GEMM with int32 sums (torch._int_mm,
+    oneDNN's VNNI/AMX int8 kernels on the CPU), scaled back by both scales. A step of many rows
+    is bound by arithmetic, and int8 products run at twice bf16's rate. At or below W8A8_ABOVE
+    rows a step is bound by reading the weights, which int8 activations do not change: those
+    calls keep the weight-only kernel (Int8Linear's), one copy of the codes serving both."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = math.prod(x.shape[:-1])
+        if rows <= W8A8_ABOVE:
+            return super().forward(x)
+        out = w8a8_mm(x.reshape(rows, self.in_features), self.codes, self.scales)
+        out = out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"w8a8 above {W8A8_ABOVE} rows, " + super().extra_repr()
+
+
+W8A8_ABOVE = 8  # token rows; see W8A8Linear and docs/quantization.md
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> int8 codes [M, K] and a float32 scale per row [M, 1] (amax / 127; a zero
+    row gets codes 0)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=1, keepdim=True) / 127.0
+    codes = torch.round(xf / scale.clamp(min=1e-30)).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times int8 codes [N, K] with a scale per row [N] -> [M, N] float32: x
+    quantized per row, int32 sums (exact: K * 127^2 < 2^31 up to K = 133,000), both scales
+    applied once."""
+    xq, x_scale = quantize_rows(x)
+    return torch._int_mm(xq, codes.t()).float() * x_scale * scales.float()
+
+
 def _same_kernel_outputs(fused: _QuantLinear, parts: Sequence[_QuantLinear]) -> bool:
     """Whether the fused kernel gives every part's output bits, on a probe of two rows."""
     device = next(fused.buffers()).device

@@ -7,6 +7,9 @@
   dtype: the kernels compute in bfloat16 (KERNEL_DTYPE), and a user who asks for float32
   asks for float32 arithmetic, the one whose greedy tokens equal HF's whatever the batch.
 - `int8`: every linear (lm_head included) int8 with a scale per output row.
+- `w8a8`: int8's weights, and the decoder linears' activations quantized per token for
+  steps of more than 8 rows, whose products become int8 GEMMs (W8A8Linear); lm_head stays
+  weight-only int8, as in int4.
 - `int4`: every decoder linear int4 groupwise (a GGUF's Q4 tensors as they are, other weights
   quantized at load with groups of INT4_GROUP_SIZE); lm_head int8, because the output layer
   is the most sensitive to 4 bits and (like llama.cpp's Q4 files, which keep it at 6-8 bits).
@@ -33,13 +36,13 @@ import torch
 from torch import nn
 
 from engine.layers.quantization import many_rows
-from engine.layers.quantization.linear import KERNEL_DTYPE, Int4Linear, Int8Linear
+from engine.layers.quantization.linear import KERNEL_DTYPE, Int4Linear, Int8Linear, W8A8Linear
 from engine.layers.quantization.pack import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 from engine.worker.file_pages import mapped_checkpoints, release_freed, release_pages
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "none", "int8", "int4")
+MODES = ("auto", "none", "int8", "int4", "w8a8")
 INT4_GROUP_SIZE = 32  # groups of 32: perplexity +% vs 64 in docs/quantization.md
 DENSE_ABOVE_ROWS = 8  # without the many-row kernel: the crossover measured, docs/memory.md
 
@@ -88,7 +91,7 @@ def quantize_model(model: Any, mode: str, gguf: Path | None,
                          is_head)
         if weight is None:
             continue
-        new = _module(weight, module, dense_above)
+        new = _module(weight, module, dense_above, w8a8=mode == "w8a8" and not is_head)
         _set_module(model, name, new)
         if dense_above is None and module.weight is not tied_to:
             release_pages(module.weight, mapped)  # read once, now held as `weight`
@@ -132,7 +135,7 @@ def _choose(mode: str, native: Int4Weight | Int8Weight | None, dense: torch.Tens
     if dense.shape[1] % 2:  # torch's int8 kernel crashed the process on an odd K (4 rows)
         log.warning("%s: %s has an odd in_features: kept dense", mode, tuple(dense.shape))
         return None
-    if mode == "int8" or is_head:
+    if mode in ("int8", "w8a8") or is_head:
         return native if isinstance(native, Int8Weight) else quantize_int8(dense)
     if isinstance(native, Int4Weight):
         return native
@@ -144,7 +147,10 @@ def _choose(mode: str, native: Int4Weight | Int8Weight | None, dense: torch.Tens
 
 
 def _module(weight: Int4Weight | Int8Weight, old: nn.Linear,
-            dense_above: int | None) -> nn.Module:
+            dense_above: int | None, w8a8: bool = False) -> nn.Module:
+    if w8a8:  # its many-row path is the int8 GEMM: never a dense copy
+        assert isinstance(weight, Int8Weight), "w8a8 takes int8 weights"
+        return W8A8Linear(weight, old.bias).to(old.weight.device)
     dense = None if dense_above is None else old.weight
     rows = dense_above or 0
     if isinstance(weight, Int4Weight):
