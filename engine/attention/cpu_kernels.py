@@ -118,8 +118,8 @@ def _commands(cxx: str, source: Path, output: Path) -> list[list[str]]:
              *[f"-Wl,-rpath,{p}" for p in library_paths()]]]
 
 
-def _cache_key(cxx: str, source: Path) -> str:
-    parts = [source.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), torch.__version__.encode(),
+def _cache_key(cxx: str, text: bytes) -> str:
+    parts = [text, " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), torch.__version__.encode(),
              str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), cxx.encode(), _cpu_id().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -139,7 +139,8 @@ def _build(source: Path, what: str) -> Path:
 
     cxx = _compiler()
     folder = cache_root() / "cpu_kernels"
-    library = folder / f"{source.stem}-{_cache_key(cxx, source)}.so"
+    text = source.read_bytes()  # read once: the key and the build are of the same text
+    library = folder / f"{source.stem}-{_cache_key(cxx, text)}.so"
     if library.exists():
         return library
     folder.mkdir(parents=True, exist_ok=True)
@@ -147,9 +148,13 @@ def _build(source: Path, what: str) -> Path:
     log.info("building the CPU %s (once per machine and torch version)", what)
     # Built beside its final name and renamed into place: processes building at once (tests,
     # replicas) each finish a whole file, and none loads a half-written one.
+    # The source compiled is a copy of the bytes hashed: a checkout edited during a build
+    # must not leave a library under one text's key that holds another's code.
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         partial = Path(tmp) / library.name
-        for command in _commands(cxx, source, partial):
+        copy = Path(tmp) / source.name
+        copy.write_bytes(text)
+        for command in _commands(cxx, copy, partial):
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"{cxx} failed ({done.returncode}): "

@@ -6,6 +6,9 @@ float16 (the layout of a GGUF Q8_0 block, one block per row):
 
     codes = round(x / scale), clamped to [-127, 127];  scale = float16(amax(|x|) / 127)
 
+Values whose row scale is below float16's normal range (amax under ~7.8e-3) keep fewer bits,
+and a row under ~3.8e-6 reads back as zeros, as in Q8_0; K and V rows are far larger.
+
 One scale per token and head, computed when the token's K/V is written and never changed:
 a block fills a token at a time, so a per-block scale would have to be fixed before its
 values are known (or the block re-quantized as it grows). At head_dim 64 a row is 66 bytes
@@ -23,6 +26,9 @@ import torch
 
 SCALE_BYTES = 2  # a float16 after each row's codes
 CODE_MAX = 127  # symmetric: -128 is never used, so -x stores as -code(x)
+# The largest float16: a row whose amax / 127 is above it (|x| over ~8.3e6) keeps this scale
+# and saturates its codes at +-127, instead of an inf scale that would read back as NaN.
+SCALE_MAX = 65504.0
 
 
 def row_width(head_dim: int, int8: bool) -> int:
@@ -43,7 +49,8 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     """Rows x [..., hd] (any float dtype) -> int8 [..., hd + 2]: codes, then the scale's bytes."""
     xf = x.float()
     # float32(1 / 127) times amax, as the C++ writer computes it (it must give the same bytes)
-    scale = (xf.abs().amax(-1, keepdim=True) * (1.0 / CODE_MAX)).to(torch.float16)
+    scale = (xf.abs().amax(-1, keepdim=True) * (1.0 / CODE_MAX)).clamp_(max=SCALE_MAX)
+    scale = scale.to(torch.float16)
     s = scale.float()
     inverse = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     codes = torch.round(xf * inverse).clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)

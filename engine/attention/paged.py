@@ -165,11 +165,12 @@ def _kernel_tables(decodes: list[tuple[list[int], int]],
 
 def _block_gather_bytes(kv_cache: torch.Tensor | None) -> int:
     """Bytes one block of one sequence adds to a decode gather: its K and V, every kv head
-    (an int8 pool's gathered rows, and their dequantized float32 copy)."""
+    (an int8 pool's gathered rows, the two float32 temporaries of their dequantization and
+    the result, counted at 4 bytes)."""
     if kv_cache is None:
         return 1
     _, _, _, kv_heads, block_size, width = kv_cache.shape
-    row = (width + 4 * kv_int8.head_dim_of(kv_cache) if kv_int8.is_int8(kv_cache)
+    row = (width + 12 * kv_int8.head_dim_of(kv_cache) if kv_int8.is_int8(kv_cache)
            else width * kv_cache.element_size())
     return 2 * kv_heads * block_size * row
 

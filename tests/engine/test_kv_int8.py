@@ -53,6 +53,15 @@ def test_dequantized_rows_are_within_half_a_step() -> None:
                                           torch.float32), torch.zeros(3, HEAD_DIM))
 
 
+def test_a_huge_row_saturates_instead_of_reading_back_nan() -> None:
+    """amax / 127 above float16's largest: the scale stops there and the codes saturate (an
+    inf scale would read back as NaN, and the torch path's padded decodes read block 0)."""
+    x = torch.tensor([[1e7, -2e7, 3.0, 0.0]])
+    back = kv_int8.dequantize(kv_int8.quantize(x), torch.float32)
+    assert torch.isfinite(back).all()
+    assert back[0, :2].tolist() == [127 * kv_int8.SCALE_MAX, -127 * kv_int8.SCALE_MAX]
+
+
 def test_a_strided_gather_of_rows_dequantizes_in_place() -> None:
     rows = kv_int8.quantize(torch.randn(6, BLOCK, HEAD_DIM))  # [blocks, bs, hd + 2]
     picked = rows.view(6, -1).index_select(0, torch.tensor([4, 1])).view(2, BLOCK, -1)[:, 3:9]
@@ -129,6 +138,15 @@ def test_the_kernel_and_the_torch_writer_store_the_same_bytes() -> None:
         _, fused = step(DECODES, PREFILLS, dtype, int8=True, kernel=True)
         _, unfused = step(DECODES, PREFILLS, dtype, int8=True, kernel=False)
         assert torch.equal(fused, unfused), dtype
+    # Rows of every magnitude, the saturating one included, through the fused op's writes.
+    pool, q, kv, meta = mixed_step([5, 20], [], torch.float32, True, True)
+    kv = kv * torch.logspace(-4, 7, kv.shape[-2])[None, None, :, None]
+    torch_pool = pool.clone()
+    with torch.inference_mode():
+        attend_step(q[None], kv[0][None], kv[1][None], 0, SCALE, meta)
+        attend(q, kv[0], kv[1], 0, SCALE, dataclasses.replace(meta, kv_cache=torch_pool,
+                                                              fused_step=False))
+    assert torch.equal(pool, torch_pool)
 
 
 RULES = [None, ScoreRule(7, 0.0, None), ScoreRule(40, 30.0, torch.linspace(-2.0, 3.0, HEADS))]

@@ -60,6 +60,7 @@ struct Shape {
 // row's float16 scale; x = code * scale.
 constexpr int64_t kScaleBytes = 2;
 constexpr float kCodeMax = 127.f;
+constexpr float kScaleMax = 65504.f;
 
 inline float row_scale(const int8_t* row, int64_t head_dim) {
   c10::Half scale;
@@ -96,7 +97,8 @@ inline void quantize_row(const T* x, int8_t* dst, int64_t hd) {
   float amax = 0.f;
   for (int64_t d = 0; d < hd; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
   const float one_over_max = 1.f / kCodeMax;  // float32(1 / 127), as torch's scalar
-  const c10::Half scale(amax * one_over_max);
+  // At most float16's largest (kv_int8.SCALE_MAX): the codes then saturate, never an inf scale.
+  const c10::Half scale(std::min(amax * one_over_max, kScaleMax));
   const float s = static_cast<float>(scale);
   const float inverse = s > 0.f ? 1.f / s : 0.f;
   for (int64_t d = 0; d < hd; ++d) {
