@@ -16,7 +16,7 @@ from engine.attention import cpu_kernels, kv_int8
 from engine.attention.paged import AttentionMetadata, attend, attend_step
 from engine.attention.scores import ScoreRule
 from engine.worker.model_runner import ModelRunner
-from tests.engine.test_cpu_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS
+from tests.engine.test_cpu_kernels import BLOCK, HEAD_DIM, HEADS, KV_HEADS, _table
 from tests.engine.test_cpu_kernels import mixed_step as kernels_step
 from tests.support.models import loaded_runner, tiny_config
 
@@ -171,10 +171,8 @@ def test_in_bfloat16_the_kernel_is_at_least_as_close_to_float64_as_the_torch_pat
         attend(q, kv[0], kv[1], 0, SCALE, meta)  # writes the new rows
     k_pool, v_pool = kv_int8.dequantize(pool[0], torch.float64)
     expected = []
-    for i, group in ((i, g) for g in meta.decode_groups for i in range(g.start, g.end)):
-        rows = group.rows.view(group.end - group.start, KV_HEADS, -1)[i - group.start, 0]
-        table = (rows // KV_HEADS).tolist()
-        ctx = DECODES[i]
+    for i, ctx in enumerate(DECODES):
+        table = _table(meta, i)
         k = k_pool[table].transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM)[:, :ctx]
         v = v_pool[table].transpose(0, 1).reshape(KV_HEADS, -1, HEAD_DIM)[:, :ctx]
         k, v = (t.repeat_interleave(HEADS // KV_HEADS, 0) for t in (k, v))

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -130,6 +131,22 @@ inline void dot_rows(const float* __restrict q, const float* __restrict k, float
   }
 }
 
+// Calls block(G, h) for the query heads [h, h + G) of a group of g, G a compile-time
+// constant as large as fits in registers beside a V row (4 at head dim 64, 2 at 128): a PV
+// block keeps G heads' sums in registers across its rows.
+template <int64_t HD, typename Block>
+inline void by_head_groups(int64_t g, Block block) {
+  constexpr int64_t most = HD <= 64 ? 4 : 2;
+  for (int64_t h = 0; h < g; h += most) {
+    switch (std::min(most, g - h)) {
+      case 1: block(std::integral_constant<int, 1>{}, h); break;
+      case 2: block(std::integral_constant<int, 2>{}, h); break;
+      case 3: block(std::integral_constant<int, 3>{}, h); break;
+      default: block(std::integral_constant<int, 4>{}, h);
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 // r[i] = the sum of v[i]'s 16 lanes, for 16 vectors: a tree of lane shuffles and adds (46
 // instructions against ~130 for 16 separate horizontal sums). Each add only ever combines
@@ -230,22 +247,6 @@ inline void pv_block_bf16(const float* p, int64_t ctx, const c10::BFloat16* v, i
     for (int64_t j = 0; j < W; ++j) _mm512_storeu_ps(acc + h * HD + j * 16, a[h][j]);
 }
 
-// pv_block_bf16 over all g heads, in groups of as many as fit in registers.
-template <int64_t HD>
-inline void pv_block_bf16_heads(const float* scores, int64_t ctx, int64_t g,
-                                const c10::BFloat16* v, int64_t n, float* acc) {
-  constexpr int64_t most = HD <= 64 ? 4 : 2;
-  for (int64_t h = 0; h < g; h += most) {
-    const float* p = scores + h * ctx;
-    float* a = acc + h * HD;
-    switch (std::min(most, g - h)) {
-      case 1: pv_block_bf16<HD, 1>(p, ctx, v, n, a); break;
-      case 2: pv_block_bf16<HD, 2>(p, ctx, v, n, a); break;
-      case 3: pv_block_bf16<HD, 3>(p, ctx, v, n, a); break;
-      default: pv_block_bf16<HD, 4>(p, ctx, v, n, a);
-    }
-  }
-}
 #else
 constexpr bool kBf16Dot = false;
 #endif
@@ -316,22 +317,6 @@ inline void pv_block_int8(const float* p, int64_t ctx, const int8_t* v, int64_t 
     for (int64_t j = 0; j < W; ++j) _mm512_storeu_ps(acc + h * HD + j * 16, a[h][j]);
 }
 
-// pv_block_int8 over all g heads, in groups of as many as fit in registers.
-template <int64_t HD>
-inline void pv_block_int8_heads(const float* scores, int64_t ctx, int64_t g, const int8_t* v,
-                                int64_t row, int64_t n, float* acc) {
-  constexpr int64_t most = HD <= 64 ? 4 : 2;
-  for (int64_t h = 0; h < g; h += most) {
-    const float* p = scores + h * ctx;
-    float* a = acc + h * HD;
-    switch (std::min(most, g - h)) {
-      case 1: pv_block_int8<HD, 1>(p, ctx, v, row, n, a); break;
-      case 2: pv_block_int8<HD, 2>(p, ctx, v, row, n, a); break;
-      case 3: pv_block_int8<HD, 3>(p, ctx, v, row, n, a); break;
-      default: pv_block_int8<HD, 4>(p, ctx, v, row, n, a);
-    }
-  }
-}
 #else
 constexpr bool kInt8Simd = false;
 #endif
@@ -441,13 +426,19 @@ void attend_one(const T* q, int64_t q_head_stride, const P* k_pool, const P* v_p
     const int64_t n = std::min(bs, ctx - t0);
 #if defined(__AVX512BF16__)
     if constexpr (bf16_dot) {
-      pv_block_bf16_heads<HD>(scores + t0, ctx, g, block(v_pool, b), n, acc);
+      by_head_groups<HD>(g, [&](auto G, int64_t h) {
+        pv_block_bf16<HD, decltype(G)::value>(scores + t0 + h * ctx, ctx, block(v_pool, b), n,
+                                              acc + h * HD);
+      });
       continue;
     }
 #endif
 #if defined(__AVX512F__)
     if constexpr (int8_simd) {
-      pv_block_int8_heads<HD>(scores + t0, ctx, g, block(v_pool, b), s.row, n, acc);
+      by_head_groups<HD>(g, [&](auto G, int64_t h) {
+        pv_block_int8<HD, decltype(G)::value>(scores + t0 + h * ctx, ctx, block(v_pool, b),
+                                              s.row, n, acc + h * HD);
+      });
       continue;
     }
 #endif
