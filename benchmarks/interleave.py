@@ -101,12 +101,16 @@ def bench_interleaved(comp: Comparison, names: list[str], dtype: str,
                       specs: dict[str, list[RequestSpec]],
                       on_progress: Callable[[dict[str, dict[str, Any]]], None] = lambda r: None,
                       before_start: Callable[[str], None] = lambda n: None,
-                      turns: Sequence[Turn] | None = None) -> dict[str, dict[str, Any]]:
+                      turns: Sequence[Turn] | None = None,
+                      after_start: Callable[[str, ServerProcess], dict[str, Any]] | None = None,
+                      ) -> dict[str, dict[str, Any]]:
     """Start every server in `names` (in order; `before_start(name)` runs first, e.g. a cold
     start of its own), then each turn (default: the plan's concurrency loads) on every live
     server in turn_order. A server that fails to start, or fails a load, is stopped and left
     out of later loads. `on_progress(records)` after every start and every load (a killed run
-    keeps its numbers). A run is recorded under its load's name."""
+    keeps its numbers). A run is recorded under its load's name. `after_start(name, server)`
+    runs once a server is up and warmed, before any load (e.g. to read its /metrics); what it
+    returns goes into the record under "after_start"."""
     if turns is None:
         turns = [Turn(load.name, load) for load in concurrency_loads(comp.plan)]
     records: dict[str, dict[str, Any]] = {}
@@ -117,6 +121,8 @@ def bench_interleaved(comp: Comparison, names: list[str], dtype: str,
             records[name], proc = start(comp, stack, name, dtype, specs)
             if proc is not None:
                 live[name] = proc
+                if after_start is not None:
+                    records[name]["after_start"] = after_start(name, proc)
             on_progress(records)
         for i, turn in enumerate(turns):
             for name in turn_order([n for n in names if n in live], i):

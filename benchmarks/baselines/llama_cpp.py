@@ -3,13 +3,14 @@ carries (vendor/llama.cpp), with its converter and quantizer for our random chec
 
     python -m benchmarks.baselines.llama_cpp --build              # once: ~15 min on 2 cores
     python -m benchmarks.baselines.llama_cpp --gguf llama-8b Q4_0  # a shape's GGUF, cached
+    python -m benchmarks.baselines.llama_cpp --gguf llama-1b F16   # converter types directly
 
 The build is `<cache root>/llama.cpp-<version>/` (cmake, Release, AVX512 with VNNI and BF16
 but no AMX: CPU_FLAGS says why; CURL and OpenSSL off), targets llama-server and llama-quantize. A
-checkpoint is converted with the sdist's convert_hf_to_gguf.py to Q8_0 (its converter writes
-no 4-bit types) and then quantized with llama-quantize (--allow-requantize for 4-bit types:
-Q4_0 from Q8_0, not from bf16, so its weights round twice; the random weights make that moot
-for speed and memory). The converter runs in our venv with the sdist's gguf-py and
+checkpoint is converted with the sdist's convert_hf_to_gguf.py to F16, BF16 or Q8_0 (its
+converter writes no 4-bit types); the others are quantized from the Q8_0 with llama-quantize
+(--allow-requantize, so their weights round twice; the random weights make that moot for
+speed and memory). The converter runs in our venv with the sdist's gguf-py and
 sentencepiece (its import is unconditional) installed beside the build, not into our venv.
 CI never builds any of this.
 """
@@ -29,6 +30,7 @@ from typing import Any
 
 VERSION = "0.3.36"  # llama-cpp-python's sdist; its vendor/llama.cpp is what is built
 TARGETS = ("llama-server", "llama-quantize")
+CONVERTER_TYPES = ("F16", "BF16", "Q8_0")  # what convert_hf_to_gguf.py writes; others quantize Q8_0
 # This CPU's instruction sets but AMX: built with -DGGML_NATIVE=ON, ggml's AMX matmul died
 # with SIGILL on its first tile instruction here (the VM's Sapphire Rapids), while torch's
 # oneDNN uses AMX in the same VM. AVX512 with VNNI and BF16 is ggml's fast path without it.
@@ -77,22 +79,28 @@ def gguf(folder: Path, kind: str) -> Path:
     """`folder` (a safetensors checkpoint) as a GGUF of `kind` (Q8_0, Q4_0, ...), cached."""
     out_dir = folder.parent / "gguf"
     out_dir.mkdir(exist_ok=True)
-    q8 = out_dir / f"{folder.name}-q8_0.gguf"
     target = out_dir / f"{folder.name}-{kind.lower()}.gguf"
     if target.exists():
         return target
+    if kind.upper() in CONVERTER_TYPES:
+        return _convert(folder, kind, target)
+    q8 = out_dir / f"{folder.name}-q8_0.gguf"
     if not q8.exists():
-        env = os.environ | {"PYTHONPATH": os.pathsep.join([str(source() / "gguf-py"),
-                                                             str(root() / "pydeps")])}
-        partial = q8.with_suffix(".partial")
-        subprocess.run([sys.executable, str(source() / "convert_hf_to_gguf.py"), str(folder),
-                        "--outtype", "q8_0", "--outfile", str(partial)], env=env, check=True)
-        partial.rename(q8)
-    if kind.upper() == "Q8_0":
-        return q8
+        _convert(folder, "Q8_0", q8)
     partial = target.with_suffix(".partial")
     subprocess.run([str(binary("llama-quantize")), "--allow-requantize", str(q8), str(partial),
                     kind.upper()], check=True)
+    partial.rename(target)
+    return target
+
+
+def _convert(folder: Path, kind: str, target: Path) -> Path:
+    """llama.cpp's own converter, `folder` to `target` of a type it writes (CONVERTER_TYPES)."""
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(source() / "gguf-py"),
+                                                         str(root() / "pydeps")])}
+    partial = target.with_suffix(".partial")
+    subprocess.run([sys.executable, str(source() / "convert_hf_to_gguf.py"), str(folder),
+                    "--outtype", kind.lower(), "--outfile", str(partial)], env=env, check=True)
     partial.rename(target)
     return target
 
