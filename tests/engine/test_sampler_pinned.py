@@ -87,9 +87,18 @@ def replay(kind: str, name: str, tokens: list[list[int]] | None = None) -> list[
     return drawn
 
 
+# The file was written on an AVX-512 CPU. torch's reductions (softmax's sum, the CDF's cumsum)
+# add in another order at another vector width, which moves a draw whose uniform sits on a
+# boundary of the CDF to its neighbour: on an AVX2-only EPYC, 1 row of 876 (flat/top_p, step
+# 2, row 4: 17719 for 17721, token 17720 outside the nucleus). A sampler that changed the
+# draws would change hundreds.
+MAX_MOVED = 2
+
+
 def test_seeded_rows_draw_the_recorded_tokens() -> None:
     recorded = json.loads(DATA.read_text())
     compared = skipped = 0
+    moved = []
     for key, want in recorded["tokens"].items():
         kind, name = key.split("/")
         ties = {tuple(t) for t in recorded["tie_rows"].get(key, [])}
@@ -100,7 +109,9 @@ def test_seeded_rows_draw_the_recorded_tokens() -> None:
                     skipped += 1
                     continue
                 compared += 1
-                assert got[step][row] == want[step][row], (key, step, row)
+                if got[step][row] != want[step][row]:
+                    moved.append((key, step, row, got[step][row], want[step][row]))
+    assert len(moved) <= MAX_MOVED, moved
     assert set(recorded["tokens"]) == {f"{k}/{n}" for k in KINDS for n in CONFIGS}
     assert compared > 800 and skipped < 100, (compared, skipped)
     assert all(key.startswith("bf16/") for key in recorded["tie_rows"])
