@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from scheduler import stop_policy
 from scheduler.block_manager import BlockManager
@@ -74,6 +74,9 @@ class Scheduler:
         if spec is not None:
             self.proposer = (SuffixProposer if spec.method == "suffix" else NgramProposer)(spec)
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
+        # The engine's cut of a sequence's drafts (at the first its grammar refuses); None:
+        # drafts are kept as proposed.
+        self.draft_filter: Callable[[Sequence, list[int]], list[int]] | None = None
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -267,6 +270,8 @@ class Scheduler:
         room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.limits.max_model_len - seq.num_tokens - 1)
         drafts = self.proposer.propose(seq, room) if room > 0 else []
+        if drafts and self.draft_filter is not None:
+            drafts = self.draft_filter(seq, drafts)
         if not drafts:
             return 0
         # Blocks for drafts only while every running sequence could still get a block this

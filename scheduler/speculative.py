@@ -15,9 +15,12 @@ model's distribution exactly (a draft is kept with probability p(draft), and a r
 position draws from the rest: rejection sampling's rule for a deterministic proposer).
 
 Requests whose next distribution depends on more than the logits and the position do not
-speculate: penalties (they would count the drafts), grammars, logprobs (not built for
-several tokens a step), and the steps before min_tokens. They decode one token a step in
-the same batch.
+speculate: penalties (they would count the drafts) and the steps before min_tokens. They
+decode one token a step in the same batch. Logprobs do speculate: each kept token's come
+from the logits at its own position, as decoding's would. So do grammars: the engine cuts
+the drafts at the first one the grammar refuses (Scheduler.draft_filter), and masks each
+position with the grammar's state after the drafts before it
+(engine/structured_output/manager.py `fill`).
 """
 
 from __future__ import annotations
@@ -115,8 +118,7 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
 def may_speculate(seq: Sequence) -> bool:
     """Whether seq's next tokens may be verified in one step (see the module's docstring)."""
     p = seq.params
-    return (not p.needs_penalties and p.logprobs is None and p.structured_outputs is None
-            and stop_policy.may_stop(seq))
+    return not p.needs_penalties and stop_policy.may_stop(seq)
 
 
 class NgramIndex:

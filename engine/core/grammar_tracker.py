@@ -37,6 +37,7 @@ class GrammarTracker:
         self._structured = structured
         self._compiling: dict[str, tuple[Sequence, GrammarFuture]] = {}
         self._matchers: dict[str, Matcher] = {}
+        self._fed: dict[str, int] = {}  # output tokens each matcher has accepted
 
     def start(self, params: SamplingParams) -> GrammarFuture | None:
         """Start (or find in the cache) the compile of a request's grammar, if it has one;
@@ -51,6 +52,7 @@ class GrammarTracker:
     def forget(self, request_id: str) -> None:
         self._compiling.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._fed.pop(request_id, None)
 
     @property
     def num_compiling(self) -> int:
@@ -81,16 +83,30 @@ class GrammarTracker:
         return result
 
     def masks(self, batch: SchedulerOutput) -> GrammarMasks | None:
-        """The allowed tokens of the constrained sequences that sample this step."""
+        """The allowed tokens of the constrained sequences that sample this step: a row for
+        each position a drafting one scores."""
         if not self._matchers:  # the common step: nothing constrained, no per-row lookups
             return None
-        ids, matchers = [], []
+        rows = []
         for i, seq in enumerate(batch.seqs):
             m = self._matchers.get(seq.seq_id)
             if m is not None and batch.samples(i):
-                ids.append(seq.seq_id)
-                matchers.append(m)
-        return self._structured().fill(ids, matchers) if matchers else None
+                rows.append((seq.seq_id, m, batch.draft_token_ids.get(seq.seq_id, [])))
+        return self._structured().fill(rows) if rows else None
+
+    def valid_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """The drafts up to the first one seq's grammar refuses (all of them for a sequence
+        without a grammar): a refused draft could never be kept, and neither could those
+        after it. The matcher is left where it was."""
+        m = self._matchers.get(seq.seq_id)
+        if m is None:
+            return drafts
+        accepted = 0
+        while accepted < len(drafts) and m.accept_token(drafts[accepted]):
+            accepted += 1
+        if accepted:
+            m.rollback(accepted)
+        return drafts[:accepted]
 
     def advance(self, updated: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """Feed each constrained sequence its new token. Returns (ended, rejected): the
@@ -98,21 +114,25 @@ class GrammarTracker:
         finishes them, "stop"), and those whose token the grammar refused (the mask allowed
         it: a bug, which fails that request only).
 
-        A recompute after preemption keeps every sampled token and samples nothing until its
-        KV has caught up, so a matcher, which has seen exactly the output tokens, stays in
-        step without a rollback or a replay."""
+        A step may have appended several tokens (a verified run of drafts): each is fed in
+        order. A recompute after preemption keeps every sampled token and samples nothing
+        until its KV has caught up, so a matcher, which has seen exactly the output tokens,
+        stays in step without a rollback or a replay."""
         ended: list[Sequence] = []
         rejected: list[Sequence] = []
         if not self._matchers:
             return ended, rejected
         for seq in updated:
             m = self._matchers.get(seq.seq_id)
-            if m is None or seq.num_output_tokens == 0:
+            if m is None:
                 continue
-            if not m.accept_token(seq.last_token_id):
-                logger.error("grammar rejected token %d that its mask allowed (%r)",
-                             seq.last_token_id, seq)
+            fed = self._fed.get(seq.seq_id, 0)
+            new = seq.output_token_ids[fed:]
+            self._fed[seq.seq_id] = fed + len(new)
+            refused = next((t for t in new if not m.accept_token(t)), None)
+            if refused is not None:
+                logger.error("grammar rejected token %d that its mask allowed (%r)", refused, seq)
                 rejected.append(seq)
-            elif m.is_terminated() and not seq.is_finished:
+            elif new and m.is_terminated() and not seq.is_finished:
                 ended.append(seq)
         return ended, rejected

@@ -85,6 +85,7 @@ class LLMEngine:
         self._tokenizer = Tokenizer(r.tokenizer, r.eos_token_ids)
         self._limits = limits = self._resolve_limits()
         self._scheduler = Scheduler(self.config.scheduler, limits)
+        self._scheduler.draft_filter = self.grammars.valid_drafts
         account = getattr(self.runner, "memory", None)  # (a test's fake runner has none)
         self._memory = account.items() if account is not None else ()
         self._load_structured()

@@ -56,8 +56,13 @@ def text_ids(seq: Sequence, new_ids: list[int]) -> list[int]:
 
 def sampled_logprobs(seq: Sequence, result: RunnerOutput, num_new: int,
                      token_text: TokenText) -> tuple[TokenLogprobs, ...] | None:
+    """The logprobs of the step's num_new tokens: one sampled token's, or the first num_new
+    of a verified run's (a stop inside the run cuts its tokens and their logprobs alike)."""
     if seq.params.logprobs is None or num_new == 0:
         return None
+    verified = result.verified_logprobs.get(seq.seq_id)
+    if verified is not None:
+        return tuple(to_logprobs(lp, token_text) for lp in verified[:num_new])
     lp = result.logprobs.get(seq.seq_id)
     return (to_logprobs(lp, token_text),) if lp is not None else None
 

@@ -44,10 +44,17 @@ def seeded_uniform(seed: int, step: int) -> float:
 @dataclass(frozen=True, slots=True, eq=False)
 class GrammarMasks:
     """One step's allowed tokens (engine/structured_output/manager.py fills them): bitmask row i, int32
-    words on the CPU, for sequence seq_ids[i]."""
+    words on the CPU, for sequence seq_ids[i] at offsets[i] tokens past its output (a drafting
+    sequence has a row per position it scores, 0..k; empty offsets: every row at 0)."""
 
     seq_ids: tuple[str, ...]
     bitmask: torch.Tensor  # [c, ceil(V / 32)] int32
+    offsets: tuple[int, ...] = ()
+
+    def index(self) -> dict[tuple[str, int], int]:
+        """(sequence id, offset) -> its bitmask row."""
+        offsets = self.offsets or (0,) * len(self.seq_ids)
+        return {key: i for i, key in enumerate(zip(self.seq_ids, offsets, strict=True))}
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -167,12 +174,13 @@ class SamplingBatchBuilder:
         """`masks`: the step's grammar bitmasks, by sequence id (only constrained ones).
         `offsets`: per row, how many tokens past the sequence's output it draws (a drafting
         sequence is in `seqs` once per position it scores, 0..k); None: all 0."""
-        constrained = {} if masks is None else {sid: i for i, sid in enumerate(masks.seq_ids)}
-        plan = self._plan(seqs, constrained, offsets or [0] * len(seqs))
+        offsets = offsets or [0] * len(seqs)
+        constrained = set() if masks is None else set(masks.seq_ids)
+        plan = self._plan(seqs, constrained, offsets)
         batch = self._to_batch(plan, seqs, device)
         if masks is None or not constrained:
             return batch
-        return replace(batch, allowed=self._allowed(seqs, constrained, masks, device))
+        return replace(batch, allowed=self._allowed(seqs, offsets, masks, device))
 
     def _plan(self, seqs: list[Sequence], constrained: Collection[str],
               offsets: list[int]) -> _Plan:
@@ -237,10 +245,12 @@ class SamplingBatchBuilder:
             unit_temperature=bool(plan.temperature) and all(t == 1.0 for t in plan.temperature))
 
     @staticmethod
-    def _allowed(seqs: list[Sequence], constrained: dict[str, int], masks: GrammarMasks,
+    def _allowed(seqs: list[Sequence], offsets: list[int], masks: GrammarMasks,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [r for r, seq in enumerate(seqs) if seq.seq_id in constrained]
-        order = [constrained[seqs[r].seq_id] for r in rows]
+        index = masks.index()
+        keys = [(seq.seq_id, offset) for seq, offset in zip(seqs, offsets, strict=True)]
+        rows = [r for r, key in enumerate(keys) if key in index]
+        order = [index[keys[r]] for r in rows]
         bitmask = masks.bitmask[order] if order != list(range(len(order))) else masks.bitmask
         return (to_device(rows, torch.long, device),
                 bitmask.to(device, non_blocking=device.type == "cuda"))

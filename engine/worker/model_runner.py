@@ -15,7 +15,7 @@ import bisect
 import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +34,7 @@ from engine.worker.compile import CompiledForward, use_cache_dir, wants_compile
 from engine.worker.families import layer_windows
 from engine.worker.file_pages import release_freed
 from engine.worker.loader import load_model
-from engine.worker.runner_output import RequestFault, RunnerOutput
+from engine.worker.runner_output import RequestFault, RunnerOutput, TokenLogprobIds
 from engine.worker.step_tensors import to_device
 from scheduler.block_manager import NULL_BLOCK
 from scheduler.output import SchedulerOutput
@@ -311,7 +311,7 @@ class ModelRunner:
         sample_rows = sorted(flat.sample_rows)  # batch order, as the sampler sees the rows
         sampled = [batch.seqs[i] for i, _ in sample_rows]
         rows = [r for _, r in sample_rows]
-        offsets = _positions(sample_rows) if batch.draft_token_ids else None
+        offsets = _positions([i for i, _ in sample_rows]) if batch.draft_token_ids else None
         return StepInputs(
             input_ids=self._padded(flat.ids),
             position_ids=self._padded(flat.positions),
@@ -418,11 +418,14 @@ class ModelRunner:
             raise self._blame(rows, step.sample_ids, batch, masks, e) from e
         bad = []
         chosen: dict[str, list[int]] = {}
+        chosen_logprobs: dict[str, list[TokenLogprobIds]] = {}
         for seq_id, token, lp in zip(step.sample_ids, tokens, logprobs, strict=True):
             if not 0 <= token < self.vocab_size:
                 bad.append(seq_id)
             if seq_id in step.drafts:
                 chosen.setdefault(seq_id, []).append(token)
+                if lp is not None:
+                    chosen_logprobs.setdefault(seq_id, []).append(lp)
                 continue
             output.sampled_token_ids[seq_id] = token
             if lp is not None:
@@ -430,7 +433,10 @@ class ModelRunner:
         if bad:  # the step's output is dropped with it: nothing was advanced yet
             raise RequestFault(bad, "sampled a token id outside the vocabulary")
         for seq_id, tokens_at in chosen.items():
-            output.verified_token_ids[seq_id] = verify(step.drafts[seq_id], tokens_at)
+            kept = verify(step.drafts[seq_id], tokens_at)
+            output.verified_token_ids[seq_id] = kept
+            if seq_id in chosen_logprobs:  # position j's logprobs are of the token chosen there
+                output.verified_logprobs[seq_id] = chosen_logprobs[seq_id][:len(kept)]
 
     def _blame(self, rows: torch.Tensor, seq_ids: list[str], batch: SchedulerOutput,
                masks: GrammarMasks | None, error: Exception) -> Exception:
@@ -438,8 +444,9 @@ class ModelRunner:
         fail by themselves are the culprits; none means the batch failed as a whole."""
         seqs = {seq.seq_id: seq for seq in batch.seqs}
         culprits = []
-        for i, seq_id in enumerate(seq_ids):
-            one = self.sampling.build([seqs[seq_id]], self.device, _masks_of(masks, seq_id))
+        for i, (seq_id, offset) in enumerate(zip(seq_ids, _positions(seq_ids), strict=True)):
+            one = self.sampling.build([seqs[seq_id]], self.device,
+                                      _masks_of(masks, seq_id, offset), [offset])
             try:
                 sample(rows[i:i + 1], one)
             except Exception:  # noqa: BLE001 - this row's inputs fail on their own
@@ -458,11 +465,12 @@ class ModelRunner:
                 raise RequestFault([p.seq_id], f"prompt logprobs failed: {e}") from e
 
 
-def _positions(sample_rows: list[tuple[int, int]]) -> list[int]:
-    """Per sampled row, which of its sequence's rows it is: 0 for a sequence's only row, and
-    0..k for a drafting one's, whose row j draws output position num_output_tokens + j."""
+def _positions(owners: Iterable[Hashable]) -> list[int]:
+    """Per sampled row (given its sequence, rows of one sequence adjacent), which of its
+    sequence's rows it is: 0 for a sequence's only row, and 0..k for a drafting one's, whose
+    row j draws output position num_output_tokens + j."""
     out: list[int] = []
-    for _, rows in itertools.groupby(sample_rows, key=lambda row: row[0]):
+    for _, rows in itertools.groupby(owners):
         out += range(sum(1 for _ in rows))
     return out
 
@@ -483,12 +491,13 @@ def verify(drafts: list[int], chosen: list[int]) -> list[int]:
     return chosen[:kept + 1]
 
 
-def _masks_of(masks: GrammarMasks | None, seq_id: str) -> GrammarMasks | None:
-    """One sequence's grammar mask out of a step's (None if it has none)."""
-    if masks is None or seq_id not in masks.seq_ids:
+def _masks_of(masks: GrammarMasks | None, seq_id: str, offset: int) -> GrammarMasks | None:
+    """One sampled row's grammar mask out of a step's (None if it has none)."""
+    i = None if masks is None else masks.index().get((seq_id, offset))
+    if i is None:
         return None
-    i = masks.seq_ids.index(seq_id)
-    return GrammarMasks((seq_id,), masks.bitmask[i:i + 1])
+    assert masks is not None
+    return GrammarMasks((seq_id,), masks.bitmask[i:i + 1], (offset,))
 
 
 def _usable_cores() -> int:

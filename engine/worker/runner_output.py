@@ -34,6 +34,9 @@ class RunnerOutput:
     # seq_id -> a speculating sequence's drafts the model kept, then its own next token
     # (scheduler/speculative.py); such a sequence is not in sampled_token_ids
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # seq_id -> logprobs of each of verified_token_ids[seq_id], in order (only when
+    # params.logprobs is not None): each from its own position's logits, as decoding gives
+    verified_logprobs: dict[str, list[TokenLogprobIds]] = field(default_factory=dict)
 
 
 class RequestFault(Exception):

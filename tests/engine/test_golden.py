@@ -13,6 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
+from engine.outputs import TokenLogprobs
 from engine.worker.loader import load_model
 from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
@@ -100,8 +101,14 @@ def smol_prompts(smollm2_runner: ModelRunner) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def smol_reference(smol_prompts: dict[str, list[int]]) -> Callable[[dict[str, list[int]]], dict]:
-    hf = load_model(None, device="cpu", dtype="float32").model
+def smol_hf() -> torch.nn.Module:
+    """HF's own model of the embedded SmolLM2, float32."""
+    return load_model(None, device="cpu", dtype="float32").model
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smol_hf: torch.nn.Module) -> Callable[[dict[str, list[int]]], dict]:
+    hf = smol_hf
     cache: dict[tuple[int, ...], list[int]] = {}
 
     def reference(prompts: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -238,28 +245,56 @@ def test_suffix_decoding_matches_hf_and_drafts_from_earlier_answers(
     assert 0 < kept[0] < kept[1], kept
 
 
-@pytest.mark.slow
-def test_speculating_rows_share_steps_with_rows_that_cannot(smollm2_runner, smol_prompts,
-                                                            smol_reference) -> None:
-    """Requests that report logprobs or wait out min_tokens decode one token a step beside
-    speculating ones; every request gets HF's tokens, and the logprobs come per token."""
-    engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024,
-                         speculative_config=SPECULATIVE)
-    kinds = [GREEDY, replace(GREEDY, logprobs=2), replace(GREEDY, min_tokens=3)]
-    params = {rid: kinds[i % 3] for i, rid in enumerate(smol_prompts)}
-    for rid, ids in smol_prompts.items():
+def _run_collecting(engine: LLMEngine, prompts: dict[str, list[int]],
+                    params: dict[str, SamplingParams]) -> tuple[dict[str, list[int]],
+                                                                 dict[str, list[TokenLogprobs]]]:
+    """Every request's tokens and the logprob entries its deltas carried, in order."""
+    for rid, ids in prompts.items():
         engine.add_request(rid, ids, params[rid])
-    tokens: dict[str, list[int]] = {rid: [] for rid in smol_prompts}
-    logprobs: dict[str, int] = dict.fromkeys(smol_prompts, 0)
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in prompts}
     while engine.has_unfinished():
         for o in engine.step():
             tokens[o.request_id].extend(o.new_token_ids)
-            logprobs[o.request_id] += len(o.logprobs or ())
+            logprobs[o.request_id].extend(o.logprobs or ())
     assert_all_free(engine)
+    return tokens, logprobs
+
+
+@pytest.mark.slow
+def test_speculating_rows_share_steps_with_rows_that_cannot(smollm2_runner, smol_prompts,
+                                                            smol_reference) -> None:
+    """Requests that wait out min_tokens decode one token a step beside speculating ones,
+    and requests that report logprobs speculate too: every request gets HF's tokens, and
+    each kept token's logprobs are the ones decoding without drafts reports for it."""
+    kinds = [GREEDY, replace(GREEDY, logprobs=2), replace(GREEDY, min_tokens=3)]
+    params = {rid: kinds[i % 3] for i, rid in enumerate(smol_prompts)}
+    engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024,
+                         speculative_config=SPECULATIVE)
+    tokens, logprobs = _run_collecting(engine, smol_prompts, params)
     assert tokens == smol_reference(smol_prompts)
-    for rid, p in params.items():
-        assert logprobs[rid] == (MAX_NEW if p.logprobs is not None else 0), rid
     assert engine.stats().spec_num_accepted_tokens > 0
+    # Only the logprobs requests again, alone, so that the drafts kept are theirs.
+    asking = {rid: ids for rid, ids in smol_prompts.items() if params[rid].logprobs is not None}
+    alone = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024,
+                        speculative_config=SPECULATIVE)
+    _, drafted = _run_collecting(alone, asking, params)
+    assert alone.stats().spec_num_accepted_tokens > 0
+    plain = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024)
+    _, expected = _run_collecting(plain, asking, params)
+    for rid in smol_prompts:
+        if rid not in asking:
+            assert logprobs[rid] == [], rid
+            continue
+        for got in (logprobs[rid], drafted[rid]):
+            assert [e.chosen.token_id for e in got] == tokens[rid], rid
+            assert [e.rank for e in got] == [e.rank for e in expected[rid]], rid
+            assert [[t.token_id for t in e.top] for e in got] == \
+                [[t.token_id for t in e.top] for e in expected[rid]], rid
+            for a, b in zip(got, expected[rid], strict=True):
+                assert a.chosen.logprob == pytest.approx(b.chosen.logprob, abs=1e-4), rid
+                assert [t.logprob for t in a.top] == \
+                    pytest.approx([t.logprob for t in b.top], abs=1e-4), rid
 
 
 # ----------------------------------------------------------------------------- tiny random models
@@ -392,3 +427,81 @@ def test_seeded_sampled_requests_draw_the_same_tokens_with_drafts(smollm2_runner
     assert len(differ) <= 2, differ
     stats = engine.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+# Unseeded draws with drafts, against the model's own distribution. A repeated sentence makes
+# the n-gram drafts often right; temperature 1.3 with top-k 3 gives every position three
+# live candidates, so drafts are kept and rejected at each position.
+REPEATED = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
+DRAWS, TOP_K, TEMPERATURE, DRAWN_TOKENS = 300, 3, 1.3, 3
+
+
+def _exact_joint(hf: torch.nn.Module, ids: list[int]) -> dict[tuple[int, ...], float]:
+    """P(first DRAWN_TOKENS tokens) under temperature and top-k, from HF's forward."""
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(DRAWN_TOKENS):
+        nxt: dict[tuple[int, ...], float] = {}
+        for prefix, p in joint.items():
+            with torch.inference_mode():
+                logits = hf(torch.tensor([ids + list(prefix)])).logits[0, -1].double()
+            top = torch.topk(logits / TEMPERATURE, TOP_K)
+            for t, q in zip(top.indices.tolist(), top.values.softmax(-1).tolist(), strict=True):
+                nxt[(*prefix, t)] = p * q
+        joint = nxt
+    return joint
+
+
+def _chi_square_p(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float],
+                  n: int) -> float:
+    """Pearson's test of counts against probabilities `expected` (outcomes expected fewer than
+    5 times pooled into one bin, outcomes outside `expected` in it too) -> its p-value."""
+    big = [k for k, p in expected.items() if p * n >= 5]
+    observed = [counts.get(k, 0) for k in big]
+    wanted = [expected[k] * n for k in big]
+    observed.append(n - sum(observed))
+    wanted.append(n - sum(wanted))
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted, strict=True) if e > 0)
+    df = sum(1 for e in wanted if e > 0) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.slow
+def test_unseeded_draws_with_drafts_follow_the_models_distribution(smollm2_runner,
+                                                                   smol_hf) -> None:
+    """Chi-square over DRAWS unseeded requests: the joint of their first three tokens, with
+    n-gram drafts verified, against the exact probabilities of HF's forward; the same counts
+    must refute a sampler that draws the third token from the second position's distribution
+    (what reusing a stale row would give), so the test can fail."""
+    ids = smollm2_runner.tokenizer.encode(REPEATED)
+    engine = make_engine(smollm2_runner, max_num_seqs=64, max_num_batched_tokens=1024,
+                         speculative_config=SPECULATIVE)
+    params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=DRAWN_TOKENS,
+                            ignore_eos=True)
+    out = run(engine, {f"d{i}": ids for i in range(DRAWS)}, params)
+    stats = engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # kept and rejected
+    counts: dict[tuple[int, ...], int] = {}
+    for tokens in out.values():
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    hf = smol_hf
+    exact = _exact_joint(hf, ids)
+    assert _chi_square_p(counts, exact, DRAWS) > 1e-4
+    stale = _stale_third_token(hf, ids, exact)
+    assert _chi_square_p(counts, stale, DRAWS) < 1e-6
+
+
+def _stale_third_token(hf: torch.nn.Module, ids: list[int],
+                       exact: dict[tuple[int, ...], float]) -> dict[tuple[int, ...], float]:
+    """A wrong joint: the third token drawn from the distribution the second was drawn from."""
+    wrong: dict[tuple[int, ...], float] = {}
+    pairs: dict[tuple[int, ...], float] = {}
+    for k, p in exact.items():
+        pairs[k[:2]] = pairs.get(k[:2], 0.0) + p
+    for (a, b), p in pairs.items():
+        with torch.inference_mode():
+            logits = hf(torch.tensor([[*ids, a]])).logits[0, -1].double()
+        top = torch.topk(logits / TEMPERATURE, TOP_K)
+        for t, q in zip(top.indices.tolist(), top.values.softmax(-1).tolist(), strict=True):
+            wrong[(a, b, t)] = p * q
+    return wrong

@@ -249,7 +249,7 @@ def test_verify_keeps_drafts_while_they_are_the_tokens_drawn() -> None:
     assert verify([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the draw at the first miss replaces it
     assert verify([5], [4, 4]) == [4]
     # rows of batch entries 0 (alone), 1 (three positions) and 3 (two): their positions
-    assert _positions([(0, 0), (1, 1), (1, 2), (1, 3), (3, 4), (3, 5)]) == [0, 0, 1, 2, 0, 1]
+    assert _positions([0, 1, 1, 1, 3, 3]) == [0, 0, 1, 2, 0, 1]
 
 
 def test_a_drafting_rows_seeded_uniforms_are_those_of_its_positions() -> None:

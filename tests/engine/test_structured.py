@@ -17,6 +17,7 @@ import pytest
 from engine.core.llm_engine import LLMEngine
 from engine.worker.model_runner import ModelRunner
 from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+from scheduler.sequence import Sequence
 from tests.support.structured import SCHEMAS, make_engine, run_all, single_token_ids
 
 PROMPT = "Hello world"
@@ -230,3 +231,73 @@ def test_a_row_with_only_forbidden_tokens_still_samples(engine: LLMEngine) -> No
     engine.add_request("t", PROMPT, constrained("json", json.dumps(schema), seed=0))
     results = run_all(engine)
     assert results["t"].error is None and results["t"].finish_reason == "stop"
+
+
+# -- with speculative decoding ----------------------------------------------------------------
+
+SPECULATIVE = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, '
+               '"disable_by_batch_size": 0}')
+REPEAT = r"(hello world, ){6}done"
+
+
+def _constrained_mix(llama_runner: ModelRunner) -> dict[str, SamplingParams]:
+    """A repeating regex (greedy: the n-gram drafts of its own output are right), and seeded
+    JSON schemas at temperature 1 (drafts the grammar or the draw refuse)."""
+    bias = closing_bias(llama_runner)
+    mix = {f"rep{i}": constrained("regex", REPEAT, temperature=0.0) for i in range(2)}
+    for i in range(0, len(SCHEMAS), 3):
+        mix[f"s{i}"] = constrained("json", json.dumps(SCHEMAS[i]), seed=i, logit_bias=bias)
+    return mix
+
+
+def test_constrained_requests_speculate_and_keep_their_tokens(llama_runner: ModelRunner) -> None:
+    """Drafts under a grammar: cut at the first the grammar refuses, each position masked
+    with the grammar's state after the drafts before it, each kept token fed to the matcher.
+    The outputs are valid and are the tokens decoding without drafts gives (seeded draws use
+    the same uniform at each position), and drafts were kept."""
+    mix = _constrained_mix(llama_runner)
+    outputs = {}
+    cuts: list[tuple[int, int]] = []
+    for spec in (None, SPECULATIVE):
+        engine = make_engine(llama_runner, speculative_config=spec)
+        valid = engine.scheduler.draft_filter
+        assert valid is not None
+
+        def counted(seq: Sequence, drafts: list[int], valid: Any = valid) -> list[int]:
+            kept = valid(seq, drafts)
+            if len(kept) < len(drafts):
+                cuts.append((len(drafts), len(kept)))
+            return kept
+
+        engine.scheduler.draft_filter = counted
+        for rid, params in mix.items():
+            engine.add_request(rid, PROMPT, params)
+        outputs[spec] = run_all(engine)
+        stats = engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert cuts  # the grammar refused some drafts
+    plain, drafted = outputs[None], outputs[SPECULATIVE]
+    for rid, r in drafted.items():
+        assert r.error is None, (rid, r.error)
+        if rid.startswith("rep"):
+            assert r.finish_reason == "stop" and re.fullmatch(REPEAT, r.text), r.text
+        elif r.finish_reason == "stop":
+            jsonschema.validate(json.loads(r.text), SCHEMAS[int(rid[1:])])
+    differ = [rid for rid in mix if drafted[rid].token_ids != plain[rid].token_ids]
+    # fp32 rounding can move a draw on a boundary of the CDF, as another batch does
+    assert len(differ) <= 1, differ
+
+
+def test_constrained_drafts_survive_preemption(llama_runner: ModelRunner) -> None:
+    """Too few blocks for the requests: they preempt each other mid-run while drafting, and
+    each recompute resumes its matcher where its tokens left it."""
+    engine = make_engine(llama_runner, num_kv_blocks=36, max_model_len=128,
+                         speculative_config=SPECULATIVE)
+    for i in range(4):  # at most a token a character: 86 tokens at most, with the stop token
+        engine.add_request(f"p{i}", PROMPT, constrained("regex", REPEAT, temperature=0.0,
+                                                        max_tokens=100))
+    results = run_all(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.stats().spec_num_accepted_tokens > 0
+    for r in results.values():
+        assert r.error is None and r.finish_reason == "stop" and re.fullmatch(REPEAT, r.text), r

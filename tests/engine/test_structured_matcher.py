@@ -40,7 +40,7 @@ def structured(hf_tok: Any) -> StructuredOutputs:
 
 
 def allowed(structured: StructuredOutputs, m: Matcher) -> list[int]:
-    masks = structured.fill(["x"], [m])
+    masks = structured.fill([("x", m, [])])
     return unpack_bitmask(masks.bitmask, structured.backend.vocab_size)[0].nonzero()[:, 0].tolist()
 
 
@@ -106,3 +106,63 @@ def test_special_and_control_tokens_are_never_allowed_in_json(
     assert not ok & set(tok.forbidden_in_json) and tok.forbidden_in_json
     assert set(raw_allowed(tok, m).nonzero()[:, 0].tolist()) & set(tok.forbidden_in_json)
 
+
+
+# -- drafts (speculative decoding with a grammar) ---------------------------------------------
+
+
+def _regex_matcher(structured: StructuredOutputs, pattern: str) -> Matcher:
+    return structured.backend.matcher(
+        structured.compile(StructuredOutputsParams("regex", pattern)).result(60))
+
+
+def test_a_drafting_rows_masks_are_the_grammars_after_each_draft(
+        structured: StructuredOutputs, hf_tok: Any) -> None:
+    """Row j of a drafting sequence is the mask after its first j drafts; after a refused
+    draft the rows repeat the last valid one (nothing there can be kept); the matcher ends
+    where it began."""
+    m = _regex_matcher(structured, r"(ab|cd)+[0-9]{2}")
+    drafts = hf_tok.encode("abcdab", add_special_tokens=False)
+    refused = hf_tok.encode("x", add_special_tokens=False)
+    before = allowed(structured, m)
+    masks = structured.fill([("s", m, [*drafts, *refused, drafts[0]]), ("t", m, [])])
+    n = len(drafts)
+    assert masks.seq_ids == ("s",) * (n + 3) + ("t",)
+    assert masks.offsets == (*range(n + 3), 0)
+    rows = unpack_bitmask(masks.bitmask, structured.backend.vocab_size)
+    expected = []
+    for j in range(n + 1):
+        expected.append(allowed(structured, m))
+        if j < n:
+            assert m.accept_token(drafts[j])
+    m.rollback(n)
+    for j in range(n + 1):
+        assert rows[j].nonzero()[:, 0].tolist() == expected[j], j
+    assert torch.equal(rows[n + 1], rows[n]) and torch.equal(rows[n + 2], rows[n])
+    assert rows[n + 3].nonzero()[:, 0].tolist() == before  # "t": the state it was left in
+    assert allowed(structured, m) == before
+
+
+def test_drafts_are_cut_at_the_first_the_grammar_refuses(structured: StructuredOutputs,
+                                                         hf_tok: Any) -> None:
+    """GrammarTracker.valid_drafts, the scheduler's draft filter: the drafts before the first
+    refused one, the matcher left where it was (asked twice, the same answer)."""
+    from engine.core.grammar_tracker import GrammarTracker
+    from scheduler.sampling_params import SamplingParams
+    from scheduler.sequence import Sequence
+
+    def ids(text: str) -> list[int]:
+        return list(hf_tok.encode(text, add_special_tokens=False))
+
+    tracker = GrammarTracker(lambda: structured)
+    free = Sequence("free", [1, 2], SamplingParams())
+    assert tracker.valid_drafts(free, ids("x12")) == ids("x12")  # no grammar: as proposed
+    so = StructuredOutputsParams("regex", r"ab[0-9]{2}")
+    seq = Sequence("seq", [1, 2], SamplingParams(structured_outputs=so))
+    tracker.track(seq, structured.compile(so))
+    structured.compile(so).result(60)
+    assert tracker.poll().ready == ["seq"]
+    for _ in range(2):
+        assert tracker.valid_drafts(seq, ids("ab") + ids("x") + ids("12")) == ids("ab")
+        assert tracker.valid_drafts(seq, ids("x") + ids("ab")) == []
+        assert tracker.valid_drafts(seq, ids("ab") + ids("1")) == ids("ab") + ids("1")

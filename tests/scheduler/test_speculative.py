@@ -10,7 +10,7 @@ import re
 import pytest
 
 from scheduler import SchedulerConfig, SequenceStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence
 from scheduler.speculative import (
@@ -158,7 +158,8 @@ def test_proposer_pauses_a_sequence_whose_drafts_do_not_pay() -> None:
     ({"temperature": 0.0, "presence_penalty": 0.5}, False),
     ({"temperature": 1.0, "repetition_penalty": 1.1}, False),
     ({"temperature": 0.0, "logit_bias": {3: 1.0}}, True),
-    ({"temperature": 0.0, "logprobs": 0}, False),
+    ({"temperature": 0.0, "logprobs": 0}, True),
+    ({"temperature": 0.0, "structured_outputs": StructuredOutputsParams("regex", "a+")}, True),
     ({"temperature": 0.0, "min_tokens": 3, "max_tokens": 8}, False),
     ({"temperature": 0.0, "stop": ("x",)}, True),
     ({"temperature": 0.0, "stop_token_ids": (3,), "ignore_eos": True}, True),
@@ -223,6 +224,33 @@ def test_drafts_stop_at_eos_max_tokens_and_max_model_len() -> None:
     assert short.output_token_ids == generate_alone(PROMPT, 6)
     assert long.num_tokens == 48 and long.status == SequenceStatus.FINISHED_LENGTH
     assert long.output_token_ids == generate_alone(PROMPT, 48 - len(PROMPT))
+
+
+def test_the_draft_filter_cuts_the_drafts_before_their_blocks_are_taken() -> None:
+    """Scheduler.draft_filter (the engine's grammar check): the drafts carried are the cut
+    ones, a sequence whose drafts are all cut decodes one token, and the output is decoding's."""
+    sched = make_sched()
+    calls: dict[str, int] = {"a": 0, "b": 0}
+
+    def cut(seq: Sequence, drafts: list[int]) -> list[int]:
+        calls[seq.seq_id] += 1
+        return drafts[:2] if seq.seq_id == "a" else []
+
+    sched.draft_filter = cut
+    a = make_seq("a", PROMPT, max_tokens=30, temperature=0.0)
+    b = make_seq("b", PROMPT[1:], max_tokens=30, temperature=0.0)
+    sched.add(a)
+    sched.add(b)
+    runner = FakeRunner(sched, periodic)
+    while sched.has_unfinished():
+        out, _ = step(sched, runner)
+        assert "b" not in out.draft_token_ids
+        assert len(out.draft_token_ids.get("a", [])) <= 2
+    assert_all_free(sched)
+    assert calls["a"] > 0 and calls["b"] > 0
+    assert a.output_token_ids == generate_alone(PROMPT, 30)
+    assert b.output_token_ids == generate_alone(PROMPT[1:], 30)
+    assert sched.spec_stats.num_accepted_tokens > 0
 
 
 def test_no_drafts_above_the_batch_size_limit_nor_for_penalised_requests() -> None:
