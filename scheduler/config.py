@@ -78,7 +78,7 @@ class SchedulerConfig:
         "suffix_decoding_max_tree_depth (24), suffix_decoding_max_cached_requests (1000), "
         "suffix_decoding_max_spec_factor (1.0), suffix_decoding_min_token_prob (0.1), "
         "disable_by_batch_size (8: no drafts while more sequences run; "
-        "0 = never); not for requests with penalties; a request whose "
+        "0 = never); a request whose "
         "drafts do not pay pauses its drafting; see docs/speculative.md",
         kind=str, default_text="off")
     # Bounded waiting queue (0 = unbounded); beyond it add() raises QueueFullError.

@@ -14,13 +14,13 @@ output is token for token what decoding one token a step gives; unseeded, it fol
 model's distribution exactly (a draft is kept with probability p(draft), and a rejected
 position draws from the rest: rejection sampling's rule for a deterministic proposer).
 
-Requests whose next distribution depends on more than the logits and the position do not
-speculate: penalties (they would count the drafts) and the steps before min_tokens. They
-decode one token a step in the same batch. Logprobs do speculate: each kept token's come
-from the logits at its own position, as decoding's would. So do grammars: the engine cuts
-the drafts at the first one the grammar refuses (Scheduler.draft_filter), and masks each
-position with the grammar's state after the drafts before it
-(engine/structured_output/manager.py `fill`).
+A sequence does not speculate before min_tokens (the stop tokens are banned by position,
+and stop strings wait for the gate); it decodes one token a step in the same batch until
+then. Every other request may: a position's logprobs come from its own logits; penalties
+count the drafts before the position as output (engine/sample/penalty_state.py), as
+decoding would have counted them had they been drawn; grammars cut the drafts at the first
+the grammar refuses (Scheduler.draft_filter) and mask each position with the grammar's state
+after the drafts before it (engine/structured_output/manager.py `fill`).
 """
 
 from __future__ import annotations
@@ -117,8 +117,7 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
 
 def may_speculate(seq: Sequence) -> bool:
     """Whether seq's next tokens may be verified in one step (see the module's docstring)."""
-    p = seq.params
-    return not p.needs_penalties and stop_policy.may_stop(seq)
+    return stop_policy.may_stop(seq)
 
 
 class NgramIndex:

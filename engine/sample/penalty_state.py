@@ -77,19 +77,40 @@ class PenaltyState:
         """Requests holding a slot."""
         return len(self._entries)
 
-    def table(self, seqs: list[Sequence],
-              device: torch.device) -> tuple[list[int], TokenTable | None]:
+    def table(self, seqs: list[Sequence], device: torch.device,
+              drafted: list[list[int]] | None = None) -> tuple[list[int], TokenTable | None]:
         """Absorb what each of seqs appended since its last step, then -> (the positions in
-        seqs that hold a token id in the vocabulary, their table; None if none does)."""
+        seqs that hold a token id in the vocabulary, their table; None if none does).
+        `drafted`: per position, tokens that count as output after the sequence's own (a
+        speculating row's drafts before its position); they are not absorbed."""
         self._use(device)
         self._drop_finished()
         writes = _Writes()
         entries = [self._absorb(seq, writes) for seq in seqs]
         self._apply(writes, device)
-        kept = [i for i, e in enumerate(entries) if e.column]
+        extras = [self._extra_columns(e, d)
+                  for e, d in zip(entries, drafted or [[]] * len(entries), strict=True)]
+        kept = [i for i, (e, x) in enumerate(zip(entries, extras, strict=True))
+                if e.column or x.new]
         if not kept:
             return [], None
-        return kept, self._rows([entries[i] for i in kept], device)
+        return kept, self._rows([entries[i] for i in kept], [extras[i] for i in kept], device)
+
+    def _extra_columns(self, entry: _Entry, drafted: list[int]) -> _Extra:
+        """Where a row's drafted tokens go: +1 on the column of an id the slot holds, or a
+        column past the slot's for a new id (one per distinct id)."""
+        extra = _Extra()
+        columns = entry.column
+        for t in drafted:
+            if t >= self.vocab_size:
+                continue
+            col = columns.get(t)
+            if col is None:
+                col = extra.new.get(t)
+            if col is None:
+                col = extra.new[t] = len(columns) + len(extra.new)
+            extra.counted.append(col)
+        return extra
 
     # ---------------------------------------------------------------- bookkeeping
 
@@ -173,18 +194,53 @@ class PenaltyState:
             self._ids, self._counts = ids, counts
         return self._ids, self._counts
 
-    def _rows(self, entries: list[_Entry], device: torch.device) -> TokenTable:
-        """The entries' rows, cut to the widest; a shorter row repeats its column 0."""
+    def _rows(self, entries: list[_Entry], extras: list[_Extra],
+              device: torch.device) -> TokenTable:
+        """The entries' rows with their drafted tokens, cut to the widest; a shorter row
+        repeats its column 0."""
         assert self._ids is not None and self._counts is not None
-        lengths = [len(e.column) for e in entries]
+        lengths = [len(e.column) + len(x.new) for e, x in zip(entries, extras, strict=True)]
         width = max(lengths)
         slots = to_device([e.slot for e in entries], torch.long, device)
-        ids = self._ids.index_select(0, slots)[:, :width]  # [p, L]
-        counts = self._counts.index_select(0, slots)[:, :width]
+        held = min(width, self._ids.shape[1])
+        ids = self._ids.index_select(0, slots)[:, :held]  # [p, L]
+        counts = self._counts.index_select(0, slots)[:, :held]
+        if any(x.counted for x in extras):
+            ids, counts = _with_drafts(ids, counts, extras, width, device)
         past_end = (torch.arange(width, device=device)
                     >= to_device(lengths, torch.long, device).unsqueeze(1))  # [p, L]
         return TokenTable(token_ids=torch.where(past_end, ids[:, :1], ids),
                           output_counts=torch.where(past_end, counts[:, :1], counts))
+
+
+@dataclass(slots=True)
+class _Extra:
+    """A row's drafted tokens: new ids (id -> column past the slot's) and the column each
+    drafted token counts on."""
+
+    new: dict[int, int] = field(default_factory=dict)
+    counted: list[int] = field(default_factory=list)
+
+
+def _with_drafts(ids: torch.Tensor, counts: torch.Tensor, extras: list[_Extra], width: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and counts [p, held] widened to [p, width] with each row's drafted tokens."""
+    # ids and counts are index_select's copies: the slots' own rows stay as they are. Their
+    # columns past a slot's ids count 0 (a slot's counts are reset when it is taken).
+    p, held = ids.shape
+    if width > held:
+        ids = torch.cat([ids, ids.new_zeros(p, width - held)], dim=1)
+        counts = torch.cat([counts, counts.new_zeros(p, width - held)], dim=1)
+    long = torch.long
+    new = [(i, col, t) for i, x in enumerate(extras) for t, col in x.new.items()]
+    if new:
+        rows, cols, tokens = zip(*new)
+        ids.index_put_((to_device(rows, long, device), to_device(cols, long, device)),
+                       to_device(tokens, long, device))
+    rows, cols = zip(*((i, col) for i, x in enumerate(extras) for col in x.counted))
+    counts.index_put_((to_device(rows, long, device), to_device(cols, long, device)),
+                      torch.ones(len(rows), device=device), accumulate=True)
+    return ids, counts
 
 
 def _extends(entry: _Entry, seq: Sequence) -> bool:

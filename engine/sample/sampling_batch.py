@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -170,14 +170,16 @@ class SamplingBatchBuilder:
 
     def build(self, seqs: list[Sequence], device: torch.device,
               masks: GrammarMasks | None = None,
-              offsets: list[int] | None = None) -> SamplingBatch:
+              offsets: list[int] | None = None,
+              drafts: Mapping[str, list[int]] | None = None) -> SamplingBatch:
         """`masks`: the step's grammar bitmasks, by sequence id (only constrained ones).
         `offsets`: per row, how many tokens past the sequence's output it draws (a drafting
-        sequence is in `seqs` once per position it scores, 0..k); None: all 0."""
+        sequence is in `seqs` once per position it scores, 0..k); None: all 0. `drafts`: the
+        drafting sequences' drafts; a row at offset j counts the first j in its penalties."""
         offsets = offsets or [0] * len(seqs)
         constrained = set() if masks is None else set(masks.seq_ids)
         plan = self._plan(seqs, constrained, offsets)
-        batch = self._to_batch(plan, seqs, device)
+        batch = self._to_batch(plan, seqs, device, offsets, drafts or {})
         if masks is None or not constrained:
             return batch
         return replace(batch, allowed=self._allowed(seqs, offsets, masks, device))
@@ -220,7 +222,8 @@ class SamplingBatchBuilder:
         return {t for t in stop_policy.stop_tokens(seq.params, self.eos_token_ids)
                 if t < self.vocab_size}
 
-    def _to_batch(self, plan: _Plan, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+    def _to_batch(self, plan: _Plan, seqs: list[Sequence], device: torch.device,
+                  offsets: list[int], drafts: Mapping[str, list[int]]) -> SamplingBatch:
         f32, long = torch.float32, torch.long
         s = len(plan.sampled)
 
@@ -239,7 +242,7 @@ class SamplingBatchBuilder:
             top_k=row_param(plan.top_k, long), top_k_max=max(plan.top_k.values, default=0),
             top_p=row_param(plan.top_p, f32), min_p=row_param(plan.min_p, f32),
             bias=self._bias(plan, device), banned=self._banned(plan, device),
-            penalties=self._penalties(plan, seqs, device),
+            penalties=self._penalties(plan, seqs, device, offsets, drafts),
             logprob_rows=tuple(plan.logprobs.rows), logprob_index=opt(plan.logprobs.rows, long),
             logprob_top_n=tuple(plan.logprobs.values),
             unit_temperature=bool(plan.temperature) and all(t == 1.0 for t in plan.temperature))
@@ -271,13 +274,17 @@ class SamplingBatchBuilder:
         rows, cols = zip(*plan.banned)
         return to_device(rows, torch.long, device), to_device(cols, torch.long, device)
 
-    def _penalties(self, plan: _Plan, seqs: list[Sequence], device: torch.device) -> Penalties | None:
+    def _penalties(self, plan: _Plan, seqs: list[Sequence], device: torch.device,
+                   offsets: list[int], drafts: Mapping[str, list[int]]) -> Penalties | None:
         """The penalised rows' parameters, and their tokens from the incremental counts
-        (engine/sample/penalty_state.py). A row none of whose ids is in the vocabulary has
-        nothing to penalise and is left out."""
+        (engine/sample/penalty_state.py), with a drafting row's drafts before its position.
+        A row none of whose ids is in the vocabulary has nothing to penalise and is left
+        out."""
         if not plan.penalised:
             return None
-        kept, table = self._penalty_state.table([seqs[r] for r in plan.penalised], device)
+        drafted = [drafts.get(seqs[r].seq_id, [])[:offsets[r]] for r in plan.penalised]
+        kept, table = self._penalty_state.table([seqs[r] for r in plan.penalised], device,
+                                                drafted)
         if table is None:
             return None
         rows = [plan.penalised[i] for i in kept]

@@ -324,7 +324,8 @@ class ModelRunner:
             sample_ids=[seq.seq_id for seq in sampled],
             sample_rows=to_device(rows, long, dev) if sampled else None,
             samples_every_row=rows == list(range(len(flat.keep))),
-            sampling=self.sampling.build(sampled, dev, masks, offsets) if sampled else None,
+            sampling=(self.sampling.build(sampled, dev, masks, offsets, batch.draft_token_ids)
+                      if sampled else None),
             prompt_rows=flat.prompt_rows,
             prompt_targets=(to_device(flat.prompt_targets, long, dev) if flat.prompt_targets
                             else None),
@@ -446,7 +447,8 @@ class ModelRunner:
         culprits = []
         for i, (seq_id, offset) in enumerate(zip(seq_ids, _positions(seq_ids), strict=True)):
             one = self.sampling.build([seqs[seq_id]], self.device,
-                                      _masks_of(masks, seq_id, offset), [offset])
+                                      _masks_of(masks, seq_id, offset), [offset],
+                                      batch.draft_token_ids)
             try:
                 sample(rows[i:i + 1], one)
             except Exception:  # noqa: BLE001 - this row's inputs fail on their own

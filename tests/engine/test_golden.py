@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -427,6 +428,46 @@ def test_seeded_sampled_requests_draw_the_same_tokens_with_drafts(smollm2_runner
     assert len(differ) <= 2, differ
     stats = engine.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+@pytest.mark.slow
+def test_penalised_requests_speculate_and_keep_their_tokens(smollm2_runner,
+                                                           smol_prompts) -> None:
+    """Penalties with drafts: a drafting row counts the drafts before its position, so each
+    token kept is the one decoding draws there. Greedy requests with repetition, presence and
+    frequency penalties get the tokens they get without speculation, token for token, and
+    drafts were kept for them."""
+    kinds = [replace(GREEDY, repetition_penalty=1.3),
+             replace(GREEDY, presence_penalty=0.8, frequency_penalty=0.4),
+             replace(GREEDY, repetition_penalty=0.9, frequency_penalty=-0.3)]
+    params = {rid: kinds[i % 3] for i, rid in enumerate(smol_prompts)}
+    plain, _ = _run_collecting(make_engine(smollm2_runner, max_num_seqs=16,
+                                           max_num_batched_tokens=1024), smol_prompts, params)
+    engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024,
+                         speculative_config=SPECULATIVE)
+    builder = smollm2_runner.sampling
+    real_build = builder.build
+    counted: list[int] = []
+
+    def build(seqs: list[Any], device: torch.device, masks: Any = None,
+              offsets: list[int] | None = None, drafts: Any = None) -> Any:
+        """The runner hands the step's drafts to the sampler: a penalised row at offset j
+        counts its sequence's first j drafts (tests/engine/test_penalty_state.py)."""
+        for seq, j in zip(seqs, offsets or [0] * len(seqs), strict=True):
+            if j:
+                assert len(drafts[seq.seq_id]) >= j
+                counted.append(j)
+        return real_build(seqs, device, masks, offsets, drafts)
+
+    builder.build = build  # type: ignore[method-assign]
+    try:
+        drafted, _ = _run_collecting(engine, smol_prompts, params)
+    finally:
+        del builder.build  # the class's method again
+    assert drafted == plain
+    stats = engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert counted
 
 
 # Unseeded draws with drafts, against the model's own distribution. A repeated sentence makes

@@ -150,3 +150,32 @@ def test_slots_grow_past_the_initial_width_and_rows() -> None:
         assert torch.equal(table.output_counts, ref.output_counts), step
         for seq in seqs:
             seq.append_token(rng.randrange(vocab))
+
+
+def test_a_drafting_rows_penalties_count_the_drafts_before_its_position() -> None:
+    """Speculative decoding: a sequence with drafts d is in the batch once per position j it
+    scores, and row j's penalties are those of its history followed by d[:j], whatever else
+    is held (ids new to the slot, ids it holds, repeats, ids past the head), and the slot's
+    own counts are left as they were."""
+    rng = random.Random(3)
+    builder = SamplingBatchBuilder(V, seed=0)
+    seqs = [new_seq(rng, f"s{i}") for i in range(4)]
+    for seq in seqs:
+        for _ in range(rng.randint(0, 30)):
+            seq.append_token(rng.randrange(V // 4))
+    drafts = {"s0": [seqs[0].token_ids[0], V // 2, V // 2, V + 3],  # held, new twice, past head
+              "s2": [rng.randrange(V) for _ in range(5)]}
+    rows, offsets = [], []
+    for seq in seqs:
+        for j in range(1 + len(drafts.get(seq.seq_id, []))):
+            rows.append(seq)
+            offsets.append(j)
+    for _ in range(2):  # the second time: nothing absorbed from the drafts
+        batch = builder.build(rows, CPU, offsets=offsets, drafts=drafts)
+        expected = []
+        for seq, j in zip(rows, offsets, strict=True):
+            twin = Sequence(seq.seq_id, seq.prompt_token_ids, seq.params)
+            for t in seq.output_token_ids + drafts.get(seq.seq_id, [])[:j]:
+                twin.append_token(t)
+            expected.append(twin)
+        assert same_logits(batch.penalties, expected, seed=7)
