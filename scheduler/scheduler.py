@@ -38,7 +38,7 @@ from scheduler.errors import PromptTooLongError, QueueFullError, SchedulerError
 from scheduler.limits import EngineLimits
 from scheduler.output import SchedulerOutput
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.speculative import NgramProposer, Proposer, SpecDecodeStats, may_speculate
+from scheduler.speculative import NgramProposer, Proposer, SpecDecodeStats, draft_room
 from scheduler.step_budget import Allowance, StepBudget, TokenAllowance
 from scheduler.step_cost import StepShape
 from scheduler.suffix_decoding import SuffixProposer
@@ -234,7 +234,7 @@ class Scheduler:
                 n = self._allowance.fit(seq.num_computed_tokens, n)
                 if n == 0:
                     continue  # its next chunk waits for a step with room
-            elif speculating and seq.num_uncomputed_tokens == 1 and may_speculate(seq):
+            elif speculating and seq.num_uncomputed_tokens == 1:
                 n += self._draft(out, seq, budget - 1)
             while not self.block_manager.can_allocate(seq, n):
                 victim = self._pick_victim()
@@ -264,11 +264,11 @@ class Scheduler:
 
     def _draft(self, out: SchedulerOutput, seq: Sequence, budget: int) -> int:
         """Propose drafts for a decoding seq; returns how many it carries this step (0: none).
-        They are bounded by the step's budget, the output seq may still produce and its
-        context, and dropped if their blocks are not free (a draft never preempts)."""
+        They are bounded by the step's budget, the output seq may still produce (short of its
+        min_tokens gate, before it) and its context, and dropped if their blocks are not free
+        (a draft never preempts)."""
         assert self.proposer is not None
-        room = min(budget, seq.params.max_tokens - seq.num_output_tokens - 1,
-                   self.limits.max_model_len - seq.num_tokens - 1)
+        room = min(budget, draft_room(seq), self.limits.max_model_len - seq.num_tokens - 1)
         drafts = self.proposer.propose(seq, room) if room > 0 else []
         if drafts and self.draft_filter is not None:
             drafts = self.draft_filter(seq, drafts)

@@ -14,9 +14,10 @@ output is token for token what decoding one token a step gives; unseeded, it fol
 model's distribution exactly (a draft is kept with probability p(draft), and a rejected
 position draws from the rest: rejection sampling's rule for a deterministic proposer).
 
-A sequence does not speculate before min_tokens (the stop tokens are banned by position,
-and stop strings wait for the gate); it decodes one token a step in the same batch until
-then. Every other request may: a position's logprobs come from its own logits; penalties
+Before min_tokens a sequence speculates only in runs that end short of it (its stop tokens
+are banned at every position of such a run, and no stop string is looked for in it); the
+token that opens the gate is decoded alone, as it is without drafts, so stop tokens and
+strings count from exactly where they would. Every request may speculate: a position's logprobs come from its own logits; penalties
 count the drafts before the position as output (engine/sample/penalty_state.py), as
 decoding would have counted them had they been drawn; grammars cut the drafts at the first
 the grammar refuses (Scheduler.draft_filter) and mask each position with the grammar's state
@@ -115,9 +116,14 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     return SpeculativeConfig(**raw)
 
 
-def may_speculate(seq: Sequence) -> bool:
-    """Whether seq's next tokens may be verified in one step (see the module's docstring)."""
-    return stop_policy.may_stop(seq)
+def draft_room(seq: Sequence) -> int:
+    """How many drafts seq's next step may carry as far as its own tokens go (see the
+    module's docstring): before min_tokens, a run must end a token short of the gate."""
+    p = seq.params
+    room = p.max_tokens - seq.num_output_tokens - 1
+    if not stop_policy.may_stop(seq):
+        room = min(room, p.min_tokens - seq.num_output_tokens - 2)
+    return room
 
 
 class NgramIndex:

@@ -265,8 +265,8 @@ def _run_collecting(engine: LLMEngine, prompts: dict[str, list[int]],
 @pytest.mark.slow
 def test_speculating_rows_share_steps_with_rows_that_cannot(smollm2_runner, smol_prompts,
                                                             smol_reference) -> None:
-    """Requests that wait out min_tokens decode one token a step beside speculating ones,
-    and requests that report logprobs speculate too: every request gets HF's tokens, and
+    """Requests with min_tokens (drafting only in runs that end short of it) and requests
+    that report logprobs speculate beside plain ones: every request gets HF's tokens, and
     each kept token's logprobs are the ones decoding without drafts reports for it."""
     kinds = [GREEDY, replace(GREEDY, logprobs=2), replace(GREEDY, min_tokens=3)]
     params = {rid: kinds[i % 3] for i, rid in enumerate(smol_prompts)}
@@ -468,6 +468,38 @@ def test_penalised_requests_speculate_and_keep_their_tokens(smollm2_runner,
     stats = engine.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert counted
+
+
+@pytest.mark.slow
+def test_min_tokens_with_stop_strings_is_decodings_with_drafts(smollm2_runner) -> None:
+    """Before min_tokens a run of drafts ends short of the gate and the gate's token is
+    decoded alone, so a stop string that occurs before the gate is passed over as it is
+    without drafts. A repeated sentence makes the drafts right; min_tokens 1-9 puts the gate
+    at each place in it (text, tokens and finish reasons equal)."""
+    ids = smollm2_runner.tokenizer.encode(REPEATED)
+    params = {f"m{n}": replace(GREEDY, min_tokens=n, stop=(".",), max_tokens=40)
+              for n in range(1, 10)}
+
+    def outputs(speculative: str | None) -> tuple[dict[str, tuple[object, ...]], int]:
+        engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=1024,
+                             speculative_config=speculative)
+        for rid, p in params.items():
+            engine.add_request(rid, ids, p)
+        got: dict[str, list[Any]] = {rid: [(), "", None] for rid in params}
+        while engine.has_unfinished():
+            for o in engine.step():
+                g = got[o.request_id]
+                g[0] += o.new_token_ids
+                g[1] += o.new_text
+                g[2] = (o.finish_reason, o.stop_reason)
+        assert_all_free(engine)
+        return {rid: tuple(g) for rid, g in got.items()}, engine.stats().spec_num_accepted_tokens
+
+    plain, _ = outputs(None)
+    assert all(r[2] == ("stop", ".") for r in plain.values())
+    assert len({r[1] for r in plain.values()}) > 1  # the gate passes over some "."
+    drafted, kept = outputs(SPECULATIVE)
+    assert drafted == plain and kept > 0
 
 
 # Unseeded draws with drafts, against the model's own distribution. A repeated sentence makes

@@ -21,7 +21,7 @@ from scheduler.speculative import (
     SpecDecodeStats,
     SpeculativeConfig,
     break_even,
-    may_speculate,
+    draft_room,
     parse_speculative_config,
 )
 from scheduler.suffix_decoding import SuffixIndex, SuffixProposer
@@ -153,20 +153,25 @@ def test_proposer_pauses_a_sequence_whose_drafts_do_not_pay() -> None:
     assert break_even(4) < 2 < break_even(16)
 
 
-@pytest.mark.parametrize(("params", "ok"), [
-    ({"temperature": 0.0}, True), ({"temperature": 0.7, "top_p": 0.9, "seed": 3}, True),
-    ({"temperature": 0.0, "presence_penalty": 0.5}, True),
-    ({"temperature": 1.0, "repetition_penalty": 1.1}, True),
-    ({"temperature": 0.0, "logit_bias": {3: 1.0}}, True),
-    ({"temperature": 0.0, "logprobs": 0}, True),
-    ({"temperature": 0.0, "structured_outputs": StructuredOutputsParams("regex", "a+")}, True),
-    ({"temperature": 0.0, "min_tokens": 3, "max_tokens": 8}, False),
-    ({"temperature": 0.0, "stop": ("x",)}, True),
-    ({"temperature": 0.0, "stop_token_ids": (3,), "ignore_eos": True}, True),
+@pytest.mark.parametrize(("params", "outputs", "room"), [
+    ({"temperature": 0.0, "max_tokens": 8}, 0, 7),
+    ({"temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 8}, 5, 2),
+    ({"temperature": 0.0, "presence_penalty": 0.5, "max_tokens": 8}, 0, 7),
+    ({"temperature": 1.0, "repetition_penalty": 1.1, "logprobs": 0, "max_tokens": 8}, 0, 7),
+    ({"temperature": 0.0, "structured_outputs": StructuredOutputsParams("regex", "a+"),
+      "max_tokens": 8}, 0, 7),
+    # before min_tokens: a run ends a token short of the gate, which is decoded alone
+    ({"temperature": 0.0, "min_tokens": 6, "max_tokens": 20}, 0, 4),
+    ({"temperature": 0.0, "min_tokens": 6, "max_tokens": 20}, 4, 0),
+    ({"temperature": 0.0, "min_tokens": 6, "max_tokens": 20}, 5, -1),
+    ({"temperature": 0.0, "min_tokens": 6, "max_tokens": 20}, 6, 13),
 ])
-def test_requests_whose_distribution_depends_on_more_than_the_position_do_not_speculate(params: dict[str, object], ok: bool) -> None:
+def test_draft_room_follows_max_tokens_and_the_min_tokens_gate(params: dict[str, object],
+                                                               outputs: int, room: int) -> None:
     seq = Sequence("a", [1, 2, 3], SamplingParams(**params))  # type: ignore[arg-type]
-    assert may_speculate(seq) is ok
+    for t in range(outputs):
+        seq.append_token(10 + t)
+    assert draft_room(seq) == room
 
 
 def test_stats_count_as_vllms_counters() -> None:
@@ -265,15 +270,16 @@ def test_no_drafts_above_the_batch_size_limit_nor_before_min_tokens() -> None:
     out, _ = step(sched, runner)
     assert set(out.draft_token_ids) == {"g1", "g2"}
     sched.abort("g1")
-    t = make_seq("t", PROMPT, max_tokens=30, temperature=0.0, min_tokens=6)
+    t = make_seq("t", PROMPT, max_tokens=30, temperature=0.0, min_tokens=9)
     sched.add(t)
-    drafted_at = []
+    runs = []
     while t.status != SequenceStatus.FINISHED_LENGTH:
         before = t.num_output_tokens
         out, _ = step(sched, runner)
         if "t" in out.draft_token_ids:
-            drafted_at.append(before)
-    assert drafted_at and min(drafted_at) >= 6
+            runs.append((before, before + 1 + len(out.draft_token_ids["t"])))
+    assert any(end <= 8 for _, end in runs) and any(start >= 9 for start, _ in runs)
+    assert all(end <= 8 or start >= 9 for start, end in runs), runs  # none opens the gate
 
 
 def test_drafts_never_cause_a_preemption() -> None:
