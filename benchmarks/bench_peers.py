@@ -2,7 +2,7 @@
 OpenVINO GenAI on one model, per weight class, the same client and prompts for all.
 
     .venv/bin/python -m benchmarks.bench_peers --prepare     # once: build and convert what is missing
-    .venv/bin/python -m benchmarks.bench_peers               # the 1B run (~40 min here)
+    .venv/bin/python -m benchmarks.bench_peers               # the 1B run (~12 min on 2 cores)
     .venv/bin/python -m benchmarks.bench_peers --model smollm2 --concurrency 1 4 16 64
 
 Classes, each a group of servers interleaved over the loads (benchmarks/interleave.py) and
@@ -23,7 +23,8 @@ memory bandwidth is measured in this process with the servers' thread count (a S
 copy, and a read-only pass), and each server's weight bytes per decode step are taken from
 what it reads (pagedserve: its /metrics memory account; vLLM: the bf16 safetensors; llama.cpp:
 the GGUF; OpenVINO: the IR's weight file): at c=1, weight bytes / ITL p50 is its weight-read
-rate, stated as a share of the read bandwidth. A server that cannot be prepared here is
+rate, stated as a share of the read bandwidth in the summary and of the copy bandwidth in the
+issue's checks (bench_peers_report.py). A server that cannot be prepared here is
 reported as unavailable with its error. Writes <out>/<date>-<machine>-peers-<model>.json and
 a PNG next to it.
 """
