@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks.baselines import venvs
 
 VERSION = "2026.4.1"
 PACKAGES = (f"openvino=={VERSION}", f"openvino-genai=={VERSION}.0",
@@ -51,24 +52,16 @@ SERVED_NAME = "openvino"
 
 
 def venv_dir() -> Path:
-    if env := os.environ.get("PAGEDSERVE_OPENVINO_VENV"):
-        return Path(env)
-    from engine.worker.cache_paths import cache_root
-
-    return cache_root() / f"openvino-{VERSION}"
+    return venvs.venv_dir("PAGEDSERVE_OPENVINO_VENV", f"openvino-{VERSION}")
 
 
 def venv_python(venv: Path | None = None) -> Path:
-    return (venv or venv_dir()) / "bin" / "python"
+    return venvs.python_of(venv or venv_dir())
 
 
 def installed(venv: Path | None = None) -> bool:
     """True when the venv's python finds openvino_genai (cheap: nothing is imported)."""
-    py = venv_python(venv)
-    if not py.is_file():
-        return False
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('openvino_genai') is None)"
-    return subprocess.run([str(py), "-c", probe], check=False, timeout=60).returncode == 0
+    return venvs.has_module(venv or venv_dir(), "openvino_genai")
 
 
 def make_venv(venv: Path | None = None, python: str = sys.executable) -> Path:

