@@ -168,20 +168,22 @@ def old_tree(before: str) -> Iterator[Path]:
                        check=False, capture_output=True)
 
 
-def load_runner(threads: int, max_rows: int) -> Any:
+def load_runner(threads: int, max_rows: int, enforce_eager: bool) -> Any:
     import torch
 
     from benchmarks.profile_step_cost import load_runner as load
 
-    runner = load(argparse.Namespace(model=None, dtype="auto", device="cpu", threads=threads))
+    runner = load(argparse.Namespace(model=None, dtype="auto", device="cpu", threads=threads),
+                  enforce_eager)
     torch.set_num_threads(threads)
     assert runner.config.scheduler.max_num_seqs >= max_rows
     return runner
 
 
-def make_data(vocab: int, path: Path) -> dict[str, Any]:
-    """Token ids of real text and the model's bf16 logits over them (transformers' own
-    forward, one sequence) -> saved for the workers; returns the logits' nucleus statistics."""
+def make_data(vocab: int, path: Path, logit_rows: int = 2048) -> dict[str, Any]:
+    """Token ids of real text and the model's bf16 logits over its first `logit_rows` of them
+    (transformers' own forward, one sequence) -> saved for the workers; returns the logits'
+    nucleus statistics."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -192,7 +194,8 @@ def make_data(vocab: int, path: Path) -> dict[str, Any]:
     ids = AutoTokenizer.from_pretrained(folder)(text).input_ids[:2048]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([ids])).logits[0, :, :vocab].contiguous()
+        logits = model(input_ids=torch.tensor([ids[:logit_rows]])).logits[0, :, :vocab]
+    logits = logits.contiguous()
     torch.save({"text": ids, "logits": logits, "vocab": vocab}, path)
     return nucleus_stats(logits)
 
@@ -309,6 +312,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=3, help="decode steps per case and round")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--logit-rows", type=int, default=2048,
+                   help="positions of the text whose logits the rows sample from (one bf16 "
+                        "forward over them: ~75 s for 2048 on a CPU without bf16 hardware)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="time the model's decode step eagerly (no torch.compile warm-up: a "
+                        "quick run; the whole-step ratios are then against the eager step)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -317,10 +326,10 @@ def main(argv: list[str] | None = None) -> None:
         return worker(args.worker, args.data, args.threads)
     random.seed(0)
     info = machine_info()
-    runner = load_runner(args.threads, max(args.rows))
+    runner = load_runner(args.threads, max(args.rows), args.enforce_eager)
     with tempfile.TemporaryDirectory() as tmp, old_tree(args.before) as old:
         data_path = Path(tmp) / "data.pt"
-        stats = make_data(runner.vocab_size, data_path)
+        stats = make_data(runner.vocab_size, data_path, args.logit_rows)
         workers = {"before": Worker(old, data_path, args.threads),
                    "after": Worker(ROOT, data_path, args.threads)}
         try:

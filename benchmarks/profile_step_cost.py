@@ -74,14 +74,14 @@ def step_of(rows: list[tuple[int, int, int]], blocks: Iterator[int], block_size:
     return out
 
 
-def load_runner(args: argparse.Namespace) -> Any:
+def load_runner(args: argparse.Namespace, enforce_eager: bool = False) -> Any:
     from engine.config import EngineConfig
     from engine.worker.model_runner import ModelRunner
 
     sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)
     runner = ModelRunner(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                       num_kv_blocks=POOL_BLOCKS, num_threads=args.threads,
-                                      scheduler=sched))
+                                      enforce_eager=enforce_eager, scheduler=sched))
     runner.load()
     return runner
 

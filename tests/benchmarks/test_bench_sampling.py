@@ -26,11 +26,14 @@ def test_ratios_against_greedy_and_against_a_whole_step() -> None:
 
 @pytest.mark.slow
 def test_one_small_run_writes_its_results(tmp_path: Path) -> None:
+    # Eager, and logits over 64 positions: the compile and a bf16 forward over 2048 tokens
+    # took 150 of this test's 170 s on a CPU without bf16 hardware.
     main(["--before", str(ROOT), "--rows", "2,4", "--rounds", "1", "--steps", "1",
-          "--out", str(tmp_path)])
+          "--logit-rows", "64", "--enforce-eager", "--out", str(tmp_path)])
     [out] = tmp_path.glob("sampling-*.json")
     data = json.loads(out.read_text())
     assert data["machine"] and data["logits"]["nucleus_size_quantiles"]
+    assert data["logits"]["rows"] == 64 and data["args"]["enforce_eager"]
     assert {(r["code"], r["variant"], r["rows"]) for r in data["results"]} == {
         (c, v, n) for c in ("before", "after") for v in VARIANTS for n in (2, 4)}
     assert out.with_suffix(".png").exists()

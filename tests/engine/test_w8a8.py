@@ -11,11 +11,14 @@ import pytest
 import torch
 from torch import nn
 
+import engine.layers.quantization.linear as linear_module
 from engine.config import EngineConfig
 from engine.layers.quantization.linear import (
+    EXACT_FLOAT_K,
     W8A8_ABOVE,
     Int8Linear,
     W8A8Linear,
+    int_mm_by_float,
     quantize_rows,
     w8a8_mm,
 )
@@ -59,6 +62,39 @@ def test_the_product_is_its_reference_math(m: int, k: int, n: int) -> None:
                                atol=1e-6, rtol=1e-6)
     dense = x.double() @ w.dequantize().double().t()  # what the quantization costs
     assert (reference - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+@pytest.mark.parametrize("k", [1, 576, EXACT_FLOAT_K, EXACT_FLOAT_K + 1, 2600])
+def test_float_gemms_give_the_int8_gemms_sums_bit_for_bit(k: int) -> None:
+    """The path for CPUs without int8 dot products: at the edge of exactness too (every code
+    at -128 and 127: a slice's sums reach 2^24 in magnitude; one more term would round)."""
+    codes = torch.randint(-128, 128, (40, k), generator=GEN, dtype=torch.int8)
+    xq = torch.randint(-127, 128, (13, k), generator=GEN, dtype=torch.int8)
+    xq[0], codes[0], codes[1] = -128, -128, 127  # +2^24 and -2^23.9 per full slice
+    want = xq.long() @ codes.long().t()
+    got = int_mm_by_float(xq, codes)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    assert torch.equal(torch._int_mm(xq, codes.t()), got)
+
+
+def test_w8a8_takes_the_float_path_only_without_int8_dot_products(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = quantize_int8(torch.randn(24, 64, generator=GEN) * 0.02)
+    x = torch.randn(9, 64, generator=GEN)
+    calls: list[int] = []
+    real = linear_module.int_mm_by_float
+
+    def counted(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(linear_module, "int_mm_by_float", counted)
+    results = []
+    for has_dot in (True, False):
+        monkeypatch.setattr(linear_module, "CPU_INT8_DOT", has_dot)
+        results.append(w8a8_mm(x, w.codes, w.scale))
+        assert len(calls) == (0 if has_dot else 1)
+    assert torch.equal(results[0], results[1])
 
 
 def test_a_few_rows_take_the_weight_only_kernel_and_more_the_int8_gemm() -> None:
