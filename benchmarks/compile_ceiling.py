@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, machine_info, machine_slug
-from benchmarks.profile_step_cost import step_of
+from engine.worker.calibration import step_of
 from scheduler.output import SchedulerOutput
 
 # Substrings of profiler op names, lower-cased; the first group that matches wins. Wrappers

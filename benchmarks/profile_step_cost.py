@@ -23,7 +23,6 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, machine_info, machine_slug
 from benchmarks.step_cost import StepShape, fit, fit_error, shape_of
+from engine.worker.calibration import step_of
 from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
-from scheduler.sampling_params import SamplingParams
-from scheduler.sequence import Sequence
 
 POOL_BLOCKS = 1024
-TOKENS = range(1000, 3000)  # ordinary ids of SmolLM2's vocabulary
 Point = tuple[int, int, int, int]  # (decode rows, decode context, prefill tokens, cached before)
 
 
@@ -57,21 +54,6 @@ def build_step(point: Point, block_size: int, rng: random.Random) -> SchedulerOu
     d, ctx, p, cached = point
     rows = [(ctx, ctx - 1, 1)] * d + ([(cached + p, cached, p)] if p else [])
     return step_of(rows, itertools.cycle(range(POOL_BLOCKS)), block_size, rng)
-
-
-def step_of(rows: list[tuple[int, int, int]], blocks: Iterator[int], block_size: int,
-            rng: random.Random) -> SchedulerOutput:
-    """A step of one sequence per (total tokens, computed before, scheduled now) row, with
-    random ordinary tokens and block tables covering them, drawn in turn from `blocks`."""
-    params = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
-    out = SchedulerOutput()
-    for i, (total, computed, n) in enumerate(rows):
-        seq = Sequence(f"s{i}", [rng.choice(TOKENS) for _ in range(total)], params)
-        seq.num_computed_tokens = computed
-        seq.block_table = [next(blocks) for _ in range(-(-total // block_size))]
-        out.seqs.append(seq)
-        out.num_scheduled_tokens.append(n)
-    return out
 
 
 def load_runner(args: argparse.Namespace, enforce_eager: bool = False) -> Any:

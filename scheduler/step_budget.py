@@ -16,9 +16,11 @@ batch is the running decodes plus the prompts waiting to join them (see allowanc
 with nothing decoding has no stream to stall and keeps the whole token budget.
 
 The model is refitted every REFIT_EVERY steps over the last WINDOW steps, so it follows the
-server's load, thread count and compile state; until the first refit with both decode and
-prefill steps in the window (MIN_POINTS of each, and at least REFIT_EVERY steps) the token
-caps apply as if the budget were off. The first prompt chunk of a step always gets a KV
+server's load, thread count and compile state. The first fit comes from a start-up
+calibration (calibrate(): synthetic steps of varied shapes that the engine times before it
+serves); without one, until the first refit with both decode and prefill steps in the window
+(MIN_POINTS of each, and at least REFIT_EVERY steps) the token caps apply as if the budget
+were off. The first prompt chunk of a step always gets a KV
 block's worth of tokens (see TimeAllowance), so no prompt waits forever.
 """
 
@@ -130,6 +132,16 @@ class StepBudget:
             self._resum()  # the running sums drift as points leave; start them afresh
         if self._since_refit >= REFIT_EVERY and self._enough_points():
             self._refit()
+
+    def calibrate(self, points: list[tuple[StepShape, float]]) -> bool:
+        """Start-up points (engine/worker/calibration.py: synthetic steps of varied shapes,
+        timed) observed like steps, then a fit at once if they are enough: the first model
+        no longer waits for live steps, nor depends on how alike they are. -> fitted."""
+        for shape, seconds in points:
+            self.observe(shape, seconds)
+        if self._enough_points():
+            self._refit()
+        return self.model is not None
 
     def _push(self, row: tuple[float, ...], seconds: float, sign: int) -> None:
         self._eq.add(row, seconds, sign)

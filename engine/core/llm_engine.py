@@ -41,6 +41,7 @@ from engine.snapshot import EngineSnapshot
 from engine.stream_detokenizer import new_detokenizer
 from engine.structured_output.manager import StructuredOutputs
 from engine.tokenizer import Tokenizer
+from engine.worker.calibration import calibrate
 from engine.worker.families import released_window
 from engine.worker.model_runner import ModelRunner
 from engine.worker.runner_output import RequestFault, RunnerOutput
@@ -86,12 +87,26 @@ class LLMEngine:
         self._limits = limits = self._resolve_limits()
         self._scheduler = Scheduler(self.config.scheduler, limits)
         self._scheduler.draft_filter = self.grammars.valid_drafts
+        self._calibrate_step_budget(limits)
         account = getattr(self.runner, "memory", None)  # (a test's fake runner has none)
         self._memory = account.items() if account is not None else ()
         self._load_structured()
         logger.info("KV cache: %d blocks x %d tokens = %d token slots; max_model_len %d",
                     limits.num_kv_blocks, limits.block_size,
                     limits.num_kv_blocks * limits.block_size, limits.max_model_len)
+
+    def _calibrate_step_budget(self, limits: EngineLimits) -> None:
+        """With --target-itl-ms: the cost model's first fit, from synthetic steps of varied
+        shapes timed now (engine/worker/calibration.py says why), not from the first live
+        ones."""
+        budget = self.scheduler.step_budget
+        if budget is None:
+            return
+        s = self.config.scheduler
+        points = calibrate(self.runner, s.max_num_seqs, s.max_num_batched_tokens,
+                           limits.max_model_len, limits.num_kv_blocks)
+        if budget.calibrate(points):
+            self._log_fit("calibrated at start-up")
 
     def _resolve_limits(self) -> EngineLimits:
         """The one place the limits are derived: a shared runner's pool may be larger than this
@@ -263,14 +278,18 @@ class LLMEngine:
         fitted = budget.model is not None
         self.scheduler.observe_step(shape, seconds)
         if not fitted and budget.model is not None:
-            m = budget.model
-            logger.info("step-time budget: cost model fitted (%.1f ms a step, %.2f ms a decode "
-                        "row, %.3f ms a prompt token, %.2f ms a prompt chunk); steps that "
-                        "carry decodes now take the prompt work that fits %.0f ms or %.1fx "
-                        "the decode step of the batch being formed", 1e3 * m.fixed,
-                        1e3 * m.per_decode,
-                        1e3 * m.per_prefill, 1e3 * m.per_prefill_seq, 1e3 * budget.target_s,
-                        budget.stretch)
+            self._log_fit("fitted to the first steps")
+
+    def _log_fit(self, how: str) -> None:
+        budget = self.scheduler.step_budget
+        assert budget is not None and budget.model is not None
+        m = budget.model
+        logger.info("step-time budget: cost model %s (%.1f ms a step, %.2f ms a decode row, "
+                    "%.3f ms a prompt token, %.2f ms a prompt chunk); steps that carry decodes "
+                    "take the prompt work that fits %.0f ms or %.1fx the decode step of the "
+                    "batch being formed", how, 1e3 * m.fixed, 1e3 * m.per_decode,
+                    1e3 * m.per_prefill, 1e3 * m.per_prefill_seq, 1e3 * budget.target_s,
+                    budget.stretch)
 
     def _install_grammars(self) -> list[RequestOutput]:
         """Requests whose compile finished may be admitted; a spec that failed ends its request

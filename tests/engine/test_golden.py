@@ -20,6 +20,7 @@ from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
+from scheduler.step_budget import StepBudget
 from scheduler.step_cost import CostModel, StepShape
 
 MAX_NEW = 24
@@ -145,8 +146,10 @@ def test_arrivals_under_the_step_time_budget(smollm2_runner, smol_prompts, smol_
     cut into small chunks of varying length); the engine feeds it every step's shape and time."""
     engine = make_engine(smollm2_runner, max_num_seqs=16, max_num_batched_tokens=256,
                          target_itl_ms=20.0, prefill_stretch=1.0)
-    budget = engine.scheduler.step_budget
-    assert budget is not None
+    calibrated = engine.scheduler.step_budget
+    assert calibrated is not None and calibrated.model is not None  # fitted at load
+    # The start-up fit replaced by a known one (a fresh budget fed the truth's step times):
+    engine.scheduler.step_budget = budget = StepBudget(0.020, 1.0, floor=16)
     truth = CostModel(fixed=0.010, per_decode=0.001, per_prefill=0.001, per_prefill_seq=0.001)
     for d, p, s in itertools.product((0, 1, 3, 6), (0, 5, 20, 60), (1, 2)):
         if d or p:

@@ -306,3 +306,19 @@ def test_rejected_fits_are_counted_and_tiny_attention_terms_keep_their_precision
     tiny = CostModel(fixed=0.01, per_decode=0.001, per_prefill=0.0001, per_prefill_attn=1e-16)
     assert tiny.chunk_tokens(0, 0.0095) == 95
     assert CostModel(fixed=0.01, per_decode=0.0, per_prefill=5e-324).chunk_tokens(0, 1.0) > 0
+
+
+def test_a_start_up_calibration_fits_at_once_and_needs_both_kinds_of_step() -> None:
+    """StepBudget.calibrate (the engine's synthetic steps at load): one prompt chunk a step,
+    as engine/worker/calibration.py times them, and the fit is taken without waiting for
+    REFIT_EVERY live steps; decode steps alone are not enough."""
+    decodes = [StepShape(d, 0, d * c, sampled_rows=d * drawn) for d in (1, 4, 16)
+               for c in (128, 1024) for drawn in (0, 1)]
+    prompts = [StepShape(d, p, d * 128, p * (c + p / 2), 1) for d in (0, 4)
+               for p in (16, 256) for c in (0, 512)]
+    budget = StepBudget(target_s=0.015, stretch=1.5)
+    assert not budget.calibrate([(s, SIM_COST.step_time(s)) for s in decodes])
+    assert budget.model is None
+    assert len(decodes) + len(prompts) < WINDOW
+    assert budget.calibrate([(s, SIM_COST.step_time(s)) for s in prompts])
+    assert budget.model is not None and close(budget.model, SIM_COST, 1e-6)

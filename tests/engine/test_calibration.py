@@ -1,0 +1,63 @@
+"""The step-time budget's start-up calibration (engine/worker/calibration.py): its grid pins
+every cost-model coefficient at the engine's own limits, and an engine with --target-itl-ms
+is fitted at load and serves the same greedy tokens as one without the budget."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.worker.calibration import build_step, grid
+from scheduler.config import SchedulerConfig
+from scheduler.sampling_params import SamplingParams
+from scheduler.step_budget import StepBudget
+from scheduler.step_cost import FEATURES, StepShape, shape_of
+from tests.support.schedsim import SIM_COST
+
+
+def shapes(max_rows: int, max_tokens: int, max_len: int, block_size: int) -> list[StepShape]:
+    blocks, rng = itertools.cycle(range(64)), random.Random(0)
+    return [shape_of(build_step(pt, blocks, block_size, rng, 49152))
+            for pt in grid(max_rows, max_tokens, max_len, block_size)]
+
+
+@pytest.mark.parametrize("limits", [(64, 1024, 4096, 16), (16, 256, 512, 16), (8, 64, 256, 4),
+                                    (1, 16, 64, 16)])
+def test_the_grid_pins_every_coefficient(limits: tuple[int, int, int, int]) -> None:
+    """Step times from a known model: the calibrated fit is that model (each coefficient
+    within 1e-6), so none of the terms is confounded with another (the fit from alike live
+    steps could not tell the per-token from the per-chunk price)."""
+    max_rows, max_tokens = limits[:2]
+    points = shapes(*limits)
+    assert all(s.decode_tokens <= max_rows and s.decode_tokens + s.prefill_tokens <= max_tokens
+               for s in points)
+    budget = StepBudget(target_s=0.03, stretch=2.0)
+    assert budget.calibrate([(s, SIM_COST.step_time(s)) for s in points])
+    assert budget.model is not None
+    for f in FEATURES:
+        assert getattr(budget.model, f) == pytest.approx(getattr(SIM_COST, f), rel=1e-6), f
+
+
+def test_an_engine_is_fitted_at_load_and_serves_the_same_tokens(tiny_llama: Path) -> None:
+    def llm(target_itl_ms: float) -> LLM:
+        sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                                block_size=4, target_itl_ms=target_itl_ms)
+        return LLM(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                num_kv_blocks=128, enforce_eager=True, scheduler=sched))
+
+    calibrated, plain = llm(30.0), llm(0.0)
+    budget = calibrated.engine.scheduler.step_budget
+    assert budget is not None and budget.model is not None  # before any request
+    assert budget.model.fixed > 0 and budget.model.per_prefill + budget.model.per_prefill_attn > 0
+    assert plain.engine.scheduler.step_budget is None
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [[(7 * i + 3 * j) % 300 + 3 for i in range(10 + 9 * j)] for j in range(6)]
+    got = calibrated.generate(prompts, params, use_tqdm=False)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(len(o.token_ids) == 12 for o in got)
