@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -122,9 +121,9 @@ def test_gguf_is_converted_once_then_reused(monkeypatch: pytest.MonkeyPatch,
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in
                                                                      folder.iterdir()}
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    t0 = time.perf_counter()
     m = load_model(None, device="cpu", dtype="float32")
-    assert time.perf_counter() - t0 < 10  # a reload, not a second conversion (~15 s)
+    # A reload, not a second conversion: the converted file is the same one, untouched (a
+    # wall-clock bound here would fail on a slow, shared machine).
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
     f = m.facts
