@@ -107,6 +107,9 @@ class LLMEngine:
                            limits.max_model_len, limits.num_kv_blocks)
         if budget.calibrate(points):
             self._log_fit("calibrated at start-up")
+        else:  # e.g. a tiny model, whose step times are noise: prompt tokens priced at nothing
+            logger.info("step-time budget: the start-up steps gave no usable cost model; it "
+                        "is fitted from the first live steps, the token caps applying until then")
 
     def _resolve_limits(self) -> EngineLimits:
         """The one place the limits are derived: a shared runner's pool may be larger than this

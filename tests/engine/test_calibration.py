@@ -7,13 +7,18 @@ from __future__ import annotations
 import itertools
 import random
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from engine.config import EngineConfig
 from engine.llm import LLM
+from engine.worker import calibration
 from engine.worker.calibration import build_step, grid
+from engine.worker.model_runner import ModelRunner
 from scheduler.config import SchedulerConfig
+from scheduler.output import SchedulerOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.step_budget import StepBudget
 from scheduler.step_cost import FEATURES, StepShape, shape_of
@@ -43,7 +48,22 @@ def test_the_grid_pins_every_coefficient(limits: tuple[int, int, int, int]) -> N
         assert getattr(budget.model, f) == pytest.approx(getattr(SIM_COST, f), rel=1e-6), f
 
 
-def test_an_engine_is_fitted_at_load_and_serves_the_same_tokens(tiny_llama: Path) -> None:
+def test_an_engine_is_fitted_at_load_and_serves_the_same_tokens(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration runs the real steps (they write the real pool), timed on a clock that
+    each step advances by a known model's price: the engine's budget is that model before any
+    request (a tiny model's real step times are noise, too flat to price prompt tokens by),
+    and the tokens served afterwards are the engine without the budget's."""
+    now = [0.0]
+    execute = ModelRunner.execute
+
+    def priced(self: ModelRunner, batch: SchedulerOutput, *args: Any) -> Any:
+        now[0] += SIM_COST.step_time(shape_of(batch))
+        return execute(self, batch, *args)
+
+    monkeypatch.setattr(ModelRunner, "execute", priced)
+    monkeypatch.setattr(calibration, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
     def llm(target_itl_ms: float) -> LLM:
         sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                                 block_size=4, target_itl_ms=target_itl_ms)
@@ -53,7 +73,8 @@ def test_an_engine_is_fitted_at_load_and_serves_the_same_tokens(tiny_llama: Path
     calibrated, plain = llm(30.0), llm(0.0)
     budget = calibrated.engine.scheduler.step_budget
     assert budget is not None and budget.model is not None  # before any request
-    assert budget.model.fixed > 0 and budget.model.per_prefill + budget.model.per_prefill_attn > 0
+    for f in FEATURES:
+        assert getattr(budget.model, f) == pytest.approx(getattr(SIM_COST, f), rel=1e-6), f
     assert plain.engine.scheduler.step_budget is None
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[(7 * i + 3 * j) % 300 + 3 for i in range(10 + 9 * j)] for j in range(6)]
