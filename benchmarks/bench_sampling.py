@@ -324,6 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.worker:
         return worker(args.worker, args.data, args.threads)
+    if args.logit_rows <= max(args.rows):  # each step takes `rows` of them at a moving offset
+        p.error(f"--logit-rows ({args.logit_rows}) must exceed the most --rows "
+                f"({max(args.rows)})")
     random.seed(0)
     info = machine_info()
     runner = load_runner(args.threads, max(args.rows), args.enforce_eager)

@@ -137,8 +137,11 @@ class StepBudget:
         """Start-up points (engine/worker/calibration.py: synthetic steps of varied shapes,
         timed) observed like steps, then a fit at once if they are enough: the first model
         no longer waits for live steps, nor depends on how alike they are. -> fitted."""
-        for shape, seconds in points:
-            self.observe(shape, seconds)
+        for shape, seconds in points:  # unclipped, and one fit over all of them at the end
+            if seconds > 0 and (shape.decode_tokens or shape.prefill_tokens):
+                row = shape.features()
+                self._push(row, seconds, 1)
+                self._window.append((row, seconds))
         if self._enough_points():
             self._refit()
         return self.model is not None

@@ -103,8 +103,14 @@ class LLMEngine:
         if budget is None:
             return
         s = self.config.scheduler
-        points = calibrate(self.runner, s.max_num_seqs, s.max_num_batched_tokens,
-                           limits.max_model_len, limits.num_kv_blocks)
+        try:
+            points = calibrate(self.runner, s.max_num_seqs, s.max_num_batched_tokens,
+                               limits.max_model_len, limits.num_kv_blocks)
+        except Exception as e:  # noqa: BLE001 - the server can serve without it
+            logger.warning("step-time budget: the start-up calibration failed (%s: %s); the "
+                           "cost model is fitted from the first live steps",
+                           type(e).__name__, e)
+            return
         if budget.calibrate(points):
             self._log_fit("calibrated at start-up")
         else:  # e.g. a tiny model, whose step times are noise: prompt tokens priced at nothing

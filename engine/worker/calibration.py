@@ -12,8 +12,9 @@ sampled rows), so the first fit separates the terms; live steps then keep it cur
 the calibration's points leave the fit's window after WINDOW live steps.
 
 The synthetic sequences write their K/V into the pool's blocks (round-robin) before any
-request exists: nothing reads those blocks until a real sequence has written its own. Their
-sampled rows are seeded, so the sampler's shared generator for unseeded requests is untouched.
+request exists. No request can read them: the block manager starts empty, so no block is
+cached for a prefix, and a sequence reads only the slots it has written. Their sampled rows
+are seeded, so the sampler's shared generator for unseeded requests is untouched.
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ TOKENS = range(1000, 3000)  # ordinary ids of SmolLM2's vocabulary (the benchmar
 GREEDY = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, seed=0, max_tokens=1 << 20,
                          ignore_eos=True)
-REPEATS = 2  # runs of each shape, the faster kept: a one-off stall (a first call's set-up,
-# a neighbour's burst) only ever lengthens a step
+REPEATS = 2  # timed runs of each shape after an untimed one, the faster kept: a one-off
+# stall (a first call's set-up, a neighbour's burst) only ever lengthens a step
+# The budget prices chunks that fit beside a decode step (a target of tens of ms), far below
+# a whole token budget; the model's per-token and attention terms extrapolate past these.
+LONGEST_CHUNK = 512  # tokens
+LONGEST_CONTEXT = 1024
 
 # (decode rows, their context, prompt tokens, cached before them, decode rows sampled?)
 Point = tuple[int, int, int, int, bool]
@@ -74,19 +79,24 @@ def build_step(point: Point, blocks: Iterator[int], block_size: int, rng: random
     return decodes
 
 
-def grid(max_rows: int, max_tokens: int, max_len: int, block_size: int) -> list[Point]:
+def grid(max_rows: int, max_tokens: int, max_len: int, block_size: int,
+         num_blocks: int) -> list[Point]:
     """Varied shapes within the engine's limits: decode batches of 1, a quarter and all of
-    max_rows at a short and a long context; prompt chunks of a block to the whole token
-    budget, from scratch and after cached tokens; mixes; and the widest batch sampled. Every
-    kind appears at least MIN_POINTS times (scheduler/step_budget.py), so the fit is taken."""
+    max_rows at a short and a long context (the widest batch's rows fitting the pool side by
+    side); prompt chunks of a block to LONGEST_CHUNK tokens, from scratch and after cached
+    tokens; mixes; and the widest batch sampled. Every kind appears at least MIN_POINTS times
+    (scheduler/step_budget.py), so the fit is taken."""
     rows = sorted({1, max(1, max_rows // 4), max_rows} & set(range(1, max_tokens + 1)))
-    short, long = max(1, min(128, max_len // 8)), max(2, min(1024, max_len - 1))
+    room = num_blocks // rows[-1] * block_size  # each widest-batch row's own blocks
+    long = max(2, min(LONGEST_CONTEXT, max_len - 1, room))
+    short = max(1, min(128, long // 8))
     decode = [(d, c, 0, 0, False) for d in rows for c in sorted({short, long})]
-    chunks = sorted({min(p, max_tokens, max_len) for p in
-                     (block_size, 4 * block_size, max_tokens // 4, max_tokens)})
+    chunks = sorted({min(p, max_tokens, max_len, LONGEST_CHUNK)
+                     for p in (block_size, 4 * block_size, 16 * block_size, 32 * block_size,
+                               max_tokens // 4, max_tokens // 2) if p > 0})
     cached = min(512, max_len - chunks[0]) // block_size * block_size
-    # After cached tokens only the shorter chunks: the longest ones cost the most to time,
-    # and their attention is already pinned by the chunks' lengths from scratch.
+    # After cached tokens only the shorter chunks: the longest cost the most to time, and
+    # their attention is already pinned by the chunks' lengths from scratch.
     prefill = [(0, 0, p, 0, False) for p in chunks] + [
         (0, 0, p, cached, False) for p in chunks[:-1] if cached and p + cached <= max_len]
     mixed = [(d, short, p, 0, False) for d in rows[-2:] for p in chunks[:2]
@@ -98,22 +108,24 @@ def grid(max_rows: int, max_tokens: int, max_len: int, block_size: int) -> list[
 def calibrate(runner: Any, max_rows: int, max_tokens: int, max_len: int,
               num_blocks: int, repeats: int = REPEATS,
               seed: int = 0) -> list[tuple[StepShape, float]]:
-    """(shape, fastest seconds of runner.execute) for each grid point, the points run in a
-    shuffled order `repeats` times over (drift spreads over all of them)."""
+    """(shape, fastest seconds of runner.execute) for each grid point: every point run once
+    untimed, then in a shuffled order `repeats` times over (drift spreads over all)."""
     rng = random.Random(seed)
     blocks = itertools.cycle(range(num_blocks))
-    points = grid(max_rows, max_tokens, max_len, runner.block_size)
+    points = grid(max_rows, max_tokens, max_len, runner.block_size, num_blocks)
     steps = {pt: build_step(pt, blocks, runner.block_size, rng, runner.vocab_size)
              for pt in points}
-    times: dict[Point, list[float]] = {pt: [] for pt in points}
     order = [pt for _ in range(repeats) for pt in points]
     rng.shuffle(order)
-    logger.info("step-time budget: timing %d synthetic steps of %d shapes to fit its cost model",
-                len(order), len(points))
+    logger.info("step-time budget: running %d synthetic steps of %d shapes to fit its cost "
+                "model", len(order) + len(points), len(points))
     started = time.perf_counter()
+    for pt in points:  # untimed: first calls set up kernels, buffers and graphs
+        runner.execute(steps[pt])
+    times: dict[Point, list[float]] = {pt: [] for pt in points}
     for pt in order:
         t0 = time.perf_counter()
         runner.execute(steps[pt])
         times[pt].append(time.perf_counter() - t0)
-    logger.info("step-time budget: timed them in %.1f s", time.perf_counter() - started)
+    logger.info("step-time budget: ran them in %.1f s", time.perf_counter() - started)
     return [(shape_of(steps[pt]), min(times[pt])) for pt in points]

@@ -37,3 +37,8 @@ def test_one_small_run_writes_its_results(tmp_path: Path) -> None:
     assert {(r["code"], r["variant"], r["rows"]) for r in data["results"]} == {
         (c, v, n) for c in ("before", "after") for v in VARIANTS for n in (2, 4)}
     assert out.with_suffix(".png").exists()
+
+
+def test_too_few_logit_rows_for_the_rows_are_refused() -> None:
+    with pytest.raises(SystemExit):
+        main(["--rows", "16,64", "--logit-rows", "64"])

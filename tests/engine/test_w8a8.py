@@ -18,6 +18,7 @@ from engine.layers.quantization.linear import (
     W8A8_ABOVE,
     Int8Linear,
     W8A8Linear,
+    cpu_has_int8_dot,
     int_mm_by_float,
     quantize_rows,
     w8a8_mm,
@@ -75,6 +76,13 @@ def test_float_gemms_give_the_int8_gemms_sums_bit_for_bit(k: int) -> None:
     got = int_mm_by_float(xq, codes)
     assert got.dtype == torch.int32 and torch.equal(got.long(), want)
     assert torch.equal(torch._int_mm(xq, codes.t()), got)
+
+
+def test_only_an_x86_cpu_without_int8_dot_products_takes_the_float_path() -> None:
+    assert not cpu_has_int8_dot("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+    for flag in ("avx512_vnni", "avx_vnni", "amx_int8"):
+        assert cpu_has_int8_dot(f"flags\t\t: fpu avx2 {flag} avx512f\n")
+    assert cpu_has_int8_dot("processor\t: 0\nFeatures\t: fp asimd asimddp i8mm\n")  # ARM
 
 
 def test_w8a8_takes_the_float_path_only_without_int8_dot_products(

@@ -223,16 +223,20 @@ def w8a8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch
     return sums.float() * x_scale * scales.float()
 
 
-def cpu_has_int8_dot() -> bool:
-    """Whether the CPU has int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI or AMX int8).
-    Without them oneDNN's int8 GEMM behind torch._int_mm is ~11x slower than an fp32 GEMM of
-    the same shape (an AVX2-only EPYC: 98 ms against 8.9 for [64, 576] x [576, 1536])."""
+def cpu_has_int8_dot(cpuinfo: str | None = None) -> bool:
+    """False only for an x86 CPU without int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI
+    or AMX int8). There oneDNN's int8 GEMM behind torch._int_mm is ~11x slower than an fp32
+    GEMM of the same shape (an AVX2-only EPYC, 2 threads: 23.3 ms against 2.1 for
+    [64, 576] x [576, 1536]). Elsewhere (ARM's /proc/cpuinfo lists "Features", not "flags";
+    no /proc) torch's own kernel is used. `cpuinfo`: /proc/cpuinfo's text (tests)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     except OSError:
-        return True  # not Linux: leave it to torch
+        return True
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
+                  if line.startswith("flags")), None)
+    if flags is None:
+        return True
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
 
 
@@ -241,7 +245,9 @@ CPU_INT8_DOT = cpu_has_int8_dot()  # read once: a constant to torch.compile, not
 
 # Every partial sum of int8 x int8 products over at most this many terms is an integer of at
 # most 1024 * 128^2 = 2^24 in magnitude, which float32 holds exactly, in whatever order a GEMM
-# adds.
+# adds. (oneDNN's reduced-precision fp32 modes, torch.set_float32_matmul_precision below
+# "highest", keep it exact too: int8 values are exact in bf16 and tf32, and oneDNN
+# accumulates in fp32.)
 EXACT_FLOAT_K = 1024
 
 
