@@ -20,8 +20,8 @@ server's load, thread count and compile state. The first fit comes from a start-
 calibration (calibrate(): synthetic steps of varied shapes that the engine times before it
 serves); without one, until the first refit with both decode and prefill steps in the window
 (MIN_POINTS of each, and at least REFIT_EVERY steps) the token caps apply as if the budget
-were off. The first prompt chunk of a step always gets a KV
-block's worth of tokens (see TimeAllowance), so no prompt waits forever.
+were off. The first prompt chunk of a step always gets a KV block's worth of tokens (see
+TimeAllowance), so no prompt waits forever.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class StepBudget:
 
     def calibrate(self, points: list[tuple[StepShape, float]]) -> bool:
         """Start-up points (engine/worker/calibration.py: synthetic steps of varied shapes,
-        timed) observed like steps, then a fit at once if they are enough: the first model
+        timed) joined to the window, then a fit at once if they are enough: the first model
         no longer waits for live steps, nor depends on how alike they are. -> fitted."""
         for shape, seconds in points:  # unclipped, and one fit over all of them at the end
             if seconds > 0 and (shape.decode_tokens or shape.prefill_tokens):

@@ -182,8 +182,8 @@ class W8A8Linear(Int8Linear):
     W8A8_ABOVE token rows the activations in int8 too: each row gets its own scale (dynamic,
     symmetric: amax / 127), and the product is an int8 GEMM with int32 sums (torch._int_mm,
     oneDNN's VNNI/AMX int8 kernels on the CPU; the same sums from float32 GEMMs on a CPU
-    without int8 dot products, see int_mm_by_float), scaled back by both scales. A step of many rows
-    is bound by arithmetic, and int8 products run at twice bf16's rate. At or below W8A8_ABOVE
+    without int8 dot products, see int_mm_by_float), scaled back by both scales. A step of
+    many rows is bound by arithmetic, and int8 products run at twice bf16's rate. At or below W8A8_ABOVE
     rows a step is bound by reading the weights, which int8 activations do not change: those
     calls keep the weight-only kernel (Int8Linear's), one copy of the codes serving both."""
 
