@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
+from engine.cpu_flags import cpu_flags
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
@@ -61,15 +63,8 @@ KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "am
 
 def cpu_features(cpuinfo: str | None = None) -> list[str]:
     """Which of KERNEL_FLAGS the first CPU of /proc/cpuinfo (or `cpuinfo`) has."""
-    try:
-        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            return [f for f in KERNEL_FLAGS if f in have]
-    return []
+    flags = cpu_flags(cpuinfo) or frozenset()
+    return [f for f in KERNEL_FLAGS if f in flags]
 
 
 def _git_commit() -> str | None:

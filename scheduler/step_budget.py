@@ -120,12 +120,7 @@ class StepBudget:
         if self.model is not None:
             predicted = self.model.step_time(shape)
             seconds = min(max(seconds, predicted / OUTLIER_CLIP), OUTLIER_CLIP * predicted)
-        row = shape.features()
-        self._push(row, seconds, 1)
-        self._window.append((row, seconds))
-        if len(self._window) > WINDOW:
-            old, t = self._window.popleft()
-            self._push(old, t, -1)
+        self._append(shape, seconds)
         self._since_refit += 1
         self._since_resum += 1
         if self._since_resum >= WINDOW:
@@ -139,12 +134,19 @@ class StepBudget:
         no longer waits for live steps, nor depends on how alike they are. -> fitted."""
         for shape, seconds in points:  # unclipped, and one fit over all of them at the end
             if seconds > 0 and (shape.decode_tokens or shape.prefill_tokens):
-                row = shape.features()
-                self._push(row, seconds, 1)
-                self._window.append((row, seconds))
+                self._append(shape, seconds)
         if self._enough_points():
             self._refit()
         return self.model is not None
+
+    def _append(self, shape: StepShape, seconds: float) -> None:
+        """A point joins the window (and the sums); the oldest leaves past WINDOW."""
+        row = shape.features()
+        self._push(row, seconds, 1)
+        self._window.append((row, seconds))
+        if len(self._window) > WINDOW:
+            old, t = self._window.popleft()
+            self._push(old, t, -1)
 
     def _push(self, row: tuple[float, ...], seconds: float, sign: int) -> None:
         self._eq.add(row, seconds, sign)

@@ -49,13 +49,14 @@ Point = tuple[int, int, int, int, bool]
 
 
 def step_of(rows: list[tuple[int, int, int]], blocks: Iterator[int], block_size: int,
-            rng: random.Random, params: SamplingParams = GREEDY,
-            tokens: range = TOKENS) -> SchedulerOutput:
+            rng: random.Random, params: SamplingParams = GREEDY, tokens: range = TOKENS,
+            prefix: str = "calibration-") -> SchedulerOutput:
     """A step of one sequence per (total tokens, computed before, scheduled now) row, with
-    random tokens from `tokens` and block tables covering them, drawn in turn from `blocks`."""
+    random tokens from `tokens` and block tables covering them, drawn in turn from `blocks`;
+    the sequences' ids are `prefix` and their row."""
     out = SchedulerOutput()
     for i, (total, computed, n) in enumerate(rows):
-        seq = Sequence(f"calibration-{i}", [rng.choice(tokens) for _ in range(total)], params)
+        seq = Sequence(f"{prefix}{i}", [rng.choice(tokens) for _ in range(total)], params)
         seq.num_computed_tokens = computed
         seq.block_table = [next(blocks) for _ in range(-(-total // block_size))]
         out.seqs.append(seq)
@@ -72,8 +73,8 @@ def build_step(point: Point, blocks: Iterator[int], block_size: int, rng: random
     decodes = step_of([(ctx, ctx - 1, 1)] * d, blocks, block_size, rng,
                       SAMPLED if sampled else GREEDY, tokens)
     if p:
-        chunk = step_of([(cached + p, cached, p)], blocks, block_size, rng, GREEDY, tokens)
-        chunk.seqs[0].seq_id = "calibration-prompt"
+        chunk = step_of([(cached + p, cached, p)], blocks, block_size, rng, GREEDY, tokens,
+                        prefix="calibration-prompt-")
         decodes.seqs += chunk.seqs
         decodes.num_scheduled_tokens += chunk.num_scheduled_tokens
     return decodes

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.config import EMBEDDED_INSTALL, EMBEDDED_PACKAGE
+from engine.cpu_flags import cpu_flags
 from engine.worker.cache_paths import gguf_cache_dir
 from engine.worker.families import check_supported
 from engine.worker.gguf_config import gguf_config
@@ -62,11 +63,7 @@ def resolve_device(name: str) -> torch.device:
 
 def cpu_has_native_bf16() -> bool:
     """AVX-512 BF16 or AMX: bf16 matmuls run natively and beat fp32 (weights are half the bytes)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        flags = ""
-    if "avx512_bf16" in flags or "amx_bf16" in flags:
+    if {"avx512_bf16", "amx_bf16"} & (cpu_flags() or frozenset()):
         return True
     return "AMX" in torch.backends.cpu.get_cpu_capability()
 

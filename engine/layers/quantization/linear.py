@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine.cpu_flags import cpu_flags
 from engine.layers.quantization import many_rows
 from engine.layers.quantization.pack import Int4Weight, Int8Weight
 
@@ -229,15 +229,8 @@ def cpu_has_int8_dot(cpuinfo: str | None = None) -> bool:
     GEMM of the same shape (an AVX2-only EPYC, 2 threads: 23.3 ms against 2.1 for
     [64, 576] x [576, 1536]). Elsewhere (ARM's /proc/cpuinfo lists "Features", not "flags";
     no /proc) torch's own kernel is used. `cpuinfo`: /proc/cpuinfo's text (tests)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
-    except OSError:
-        return True
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), None)
-    if flags is None:
-        return True
-    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
+    flags = cpu_flags(cpuinfo)
+    return flags is None or bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags)
 
 
 CPU_INT8_DOT = cpu_has_int8_dot()  # read once: a constant to torch.compile, not a file read
